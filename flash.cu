@@ -1,0 +1,351 @@
+// flash.cu: FlashAttention kernels written to be read, in the notation of the FlashAttention papers.
+//
+// Index (speed: B=16, H=12, d=64, non-causal, on an H100 80GB HBM3, `python bench.py`; see docs/benchmarks.md)
+//   kernel  what it adds                                            GPUs      speed
+//   fp32    FA-2 Algorithms 1 and 2 on CUDA cores: one thread block per   sm_70+    see README / docs
+//           query block (forward) or key block (backward), each thread
+//           owning an 8 x 4 tile of S_ij; dQ accumulated with atomics
+//
+// Every kernel sits behind one interface (bottom of this file): forward(kernel, Q, K, V, causal, scale)
+// returns O and L; backward(kernel, Q, K, V, O, L, dO, causal, scale) returns dQ, dK, dV. Tensors are
+// contiguous (B, H, N, d); main.py validates inputs before any launch.
+//
+// Notation (FlashAttention-2 paper, Algorithms 1 and 2; reference.py is the same algorithm in PyTorch):
+//   Q_i (B_r, d)  query block i      K_j, V_j (B_c, d)  key/value block j     T_r, T_c  numbers of blocks
+//   S_ij = Q_i K_j^T (B_r, B_c)      P_ij = exp(S_ij - m_i)                   O_i (B_r, d)
+//   m_i, l_i (B_r) running row max and sum;  L_i = m_i + log(l_i)  the row log-sum-exp, saved for backward
+//   D_i = rowsum(dO_i o O_i);  dS_ij = P_ij o (dP_ij - D_i)
+// The softmax runs in base 2: scores are multiplied by scale * log2(e) once, so exp becomes exp2 (one
+// MUFU.EX2 instruction) and m_i is kept in those units; L is converted back to natural log on output.
+#include <torch/extension.h>
+#include <cuda_runtime.h>
+
+constexpr float LOG2E = 1.4426950408889634f;  // log2(e): exp(x) = exp2(x * LOG2E)
+constexpr float LN2 = 0.6931471805599453f;     // ln(2):   log(x) = log2(x) * LN2
+
+// Copies a (rows, d) tile of a row-major global matrix into shared memory with row stride ld, filling rows
+// at or past N with zeros, so ragged last blocks compute on zeros instead of reading out of bounds.
+// float4 accesses: consecutive threads take consecutive 16-byte pieces of a row (coalesced).
+template <int rows, int d, int n_threads>
+__device__ void load_tile(float* dst, int ld, const float* src, int row0, int N) {
+  for (int idx = threadIdx.x; idx < rows * d / 4; idx += n_threads) {
+    int r = idx / (d / 4), c = 4 * (idx % (d / 4));
+    float4 x = make_float4(0.f, 0.f, 0.f, 0.f);
+    if (row0 + r < N) x = *reinterpret_cast<const float4*>(&src[(size_t)(row0 + r) * d + c]);
+    *reinterpret_cast<float4*>(&dst[r * ld + c]) = x;
+  }
+}
+
+// acc[a][b] += sum_k A[(ty*TM + a)*ld + k] * B[(tx + 16*b)*ld + k]   for k < d
+// The product X Y^T of two row-major shared tiles, for the 8 x 16 thread layout used by the fp32 kernels:
+// thread (ty, tx) owns rows ty*TM + a and columns tx + 16*b. Both operands are read as float4 along k.
+// Bank conflicts: a half-warp shares ty, so A reads are broadcasts; B rows tx + 16*b are ld floats apart
+// and ld/4 is odd, so the 8 threads served together hit 8 different 16-byte bank groups.
+template <int TM, int TN, int d>
+__device__ void mma_XYt(float (&acc)[TM][TN], const float* A, const float* B, int ld, int tx, int ty) {
+#pragma unroll 4
+  for (int k = 0; k < d; k += 4) {
+    float4 a[TM], b[TN];
+#pragma unroll
+    for (int m = 0; m < TM; m++) a[m] = *reinterpret_cast<const float4*>(&A[(ty * TM + m) * ld + k]);
+#pragma unroll
+    for (int n = 0; n < TN; n++) b[n] = *reinterpret_cast<const float4*>(&B[(tx + 16 * n) * ld + k]);
+#pragma unroll
+    for (int m = 0; m < TM; m++)
+#pragma unroll
+      for (int n = 0; n < TN; n++)
+        acc[m][n] += a[m].x * b[n].x + a[m].y * b[n].y + a[m].z * b[n].z + a[m].w * b[n].w;
+  }
+}
+
+// ------------------------------------------------------------------------------------------------------
+// fp32 forward: FlashAttention-2, Algorithm 1.
+// Grid (T_r, B*H): one block per query block Q_i of one head; heavy causal blocks (large i) start first.
+// Block: 128 threads as 8 (ty) x 16 (tx). Thread (ty, tx) owns rows ty*TM .. ty*TM+TM-1 of S_ij and O_i,
+// columns tx + 16*n of S_ij (n < TN) and columns tx + 16*e of O_i (e < TX). The 16 threads that share a
+// row sit in one half-warp, so row max and row sum are shuffles, never shared memory.
+template <int d, int B_r, int B_c>
+__global__ void __launch_bounds__(128)
+flash_fwd_fp32(const float* __restrict__ Q, const float* __restrict__ K, const float* __restrict__ V,
+               float* __restrict__ O, float* __restrict__ L, int N, float scale_log2, bool causal) {
+  constexpr int TM = B_r / 8, TN = B_c / 16, TX = d / 16, ld = d + 4, ldP = B_r + 4;
+  extern __shared__ float smem[];
+  constexpr int KP = B_c * (ld > ldP ? ld : ldP);
+  float* Q_s = smem;              // Q_i          (B_r, d)   row stride ld (padding: see mma_XYt)
+  float* K_s = Q_s + B_r * ld;    // K_j          (B_c, d)   row stride ld
+  float* P_s = K_s;               // P_ij^T       (B_c, B_r) row stride ldP: replaces K_j once S_ij is done,
+                                  //              so a block needs less shared memory and 4 fit on an SM
+  float* V_s = K_s + KP;          // V_j          (B_c, d)   row stride d
+  const int tx = threadIdx.x % 16, ty = threadIdx.x / 16;
+  const int i = gridDim.x - 1 - blockIdx.x, row0 = i * B_r;
+  const size_t head = (size_t)blockIdx.y * N * d;
+  Q += head; K += head; V += head; O += head; L += (size_t)blockIdx.y * N;
+
+  load_tile<B_r, d, 128>(Q_s, ld, Q, row0, N);                             // l.5: load Q_i
+  float O_i[TM][TX] = {}, m_i[TM], l_i[TM] = {};                           // l.6: O_i = 0, l_i = 0, m_i = -inf
+  for (int m = 0; m < TM; m++) m_i[m] = -INFINITY;
+
+  const int T_c = (N + B_c - 1) / B_c;
+  const int j_end = causal ? min(T_c, (row0 + B_r - 1) / B_c + 1) : T_c;  // causal: later blocks all masked
+  for (int j = 0; j < j_end; j++) {                                        // l.7: for 1 <= j <= T_c
+    __syncthreads();  // every thread is done reading P_s (= K_s) and V_s of block j-1: they are overwritten
+    load_tile<B_c, d, 128>(K_s, ld, K, j * B_c, N);                        // l.8: load K_j, V_j
+    load_tile<B_c, d, 128>(V_s, d, V, j * B_c, N);
+    __syncthreads();  // K_j, V_j (and Q_i on the first pass) are in shared memory before anyone reads them
+
+    float S_ij[TM][TN] = {};                                               // l.9: S_ij = Q_i K_j^T
+    mma_XYt<TM, TN, d>(S_ij, Q_s, K_s, ld, tx, ty);
+    __syncthreads();  // every thread is done reading K_j: P_ij^T overwrites it below
+
+    for (int m = 0; m < TM; m++) {                                         // l.10: online softmax, row by row
+      const int r = row0 + ty * TM + m;
+      float rowmax = m_i[m];
+      for (int n = 0; n < TN; n++) {
+        const int c = j * B_c + tx + 16 * n;  // out-of-range keys and (causal) future keys get -inf
+        S_ij[m][n] = (c >= N || (causal && c > r)) ? -INFINITY : S_ij[m][n] * scale_log2;
+        rowmax = fmaxf(rowmax, S_ij[m][n]);
+      }
+      for (int off = 8; off > 0; off /= 2) rowmax = fmaxf(rowmax, __shfl_xor_sync(~0u, rowmax, off));
+      // m_i^(j) = max(m_i^(j-1), rowmax(S_ij)) is finite: key 0 is never masked and j = 0 comes first.
+      const float alpha = exp2f(m_i[m] - rowmax);                          // e^(m^(j-1) - m^(j))
+      float rowsum = 0.f;
+      for (int n = 0; n < TN; n++) {
+        S_ij[m][n] = exp2f(S_ij[m][n] - rowmax);                           // P_ij = exp(S_ij - m_i^(j))
+        rowsum += S_ij[m][n];
+      }
+      l_i[m] = alpha * l_i[m] + rowsum;  // this thread's share of l_i; the 16 shares are added at the end
+      for (int e = 0; e < TX; e++) O_i[m][e] *= alpha;                     // l.11 (first half)
+      m_i[m] = rowmax;
+    }
+    for (int n = 0; n < TN; n++)           // P_ij^T into shared memory, 4 rows of P per 16-byte store
+      for (int m = 0; m < TM; m += 4)
+        *reinterpret_cast<float4*>(&P_s[(tx + 16 * n) * ldP + ty * TM + m]) =
+            make_float4(S_ij[m][n], S_ij[m + 1][n], S_ij[m + 2][n], S_ij[m + 3][n]);
+    __syncthreads();  // all of P_ij is written: each thread now reads columns that other threads produced
+
+    for (int c = 0; c < B_c; c++) {                                        // l.11: O_i += P_ij V_j
+      float p[TM], v[TX];
+      for (int m = 0; m < TM; m += 4) {
+        const float4 x = *reinterpret_cast<const float4*>(&P_s[c * ldP + ty * TM + m]);
+        p[m] = x.x, p[m + 1] = x.y, p[m + 2] = x.z, p[m + 3] = x.w;
+      }
+      for (int e = 0; e < TX; e++) v[e] = V_s[c * d + tx + 16 * e];
+      for (int m = 0; m < TM; m++)
+        for (int e = 0; e < TX; e++) O_i[m][e] += p[m] * v[e];
+    }
+  }
+  for (int m = 0; m < TM; m++) {
+    const int r = row0 + ty * TM + m;
+    for (int off = 8; off > 0; off /= 2) l_i[m] += __shfl_xor_sync(~0u, l_i[m], off);
+    if (r >= N) continue;
+    for (int e = 0; e < TX; e++) O[(size_t)r * d + tx + 16 * e] = O_i[m][e] / l_i[m];   // l.13, l.15
+    if (tx == 0) L[r] = (m_i[m] + log2f(l_i[m])) * LN2;                    // l.14, l.16: L_i = m_i + log(l_i)
+  }
+}
+
+// ------------------------------------------------------------------------------------------------------
+// D_i = rowsum(dO_i o O_i) (Algorithm 2, l.5), computed before the backward kernel. One warp per row.
+template <typename T>
+__global__ void flash_bwd_preprocess(const T* __restrict__ O, const T* __restrict__ dO,
+                                     float* __restrict__ D, size_t rows, int d) {
+  const size_t row = (size_t)blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32;
+  const int lane = threadIdx.x % 32;
+  if (row >= rows) return;  // whole warps leave together: the shuffles below stay full-warp
+  float acc = 0.f;
+  for (int x = lane; x < d; x += 32) acc += static_cast<float>(O[row * d + x]) * static_cast<float>(dO[row * d + x]);
+  for (int off = 16; off > 0; off /= 2) acc += __shfl_xor_sync(~0u, acc, off);
+  if (lane == 0) D[row] = acc;
+}
+
+// ------------------------------------------------------------------------------------------------------
+// fp32 backward: FlashAttention-2, Algorithm 2.
+// Grid (T_c, B*H): one block per key block K_j, V_j of one head; it loops over the query blocks Q_i.
+// Block: 128 threads as 8 (ty) x 16 (tx). Thread (ty, tx) owns
+//   S_ij, dP_ij (B_r, B_c): rows ty*TM + m, columns tx + 16*n        (as in the forward)
+//   dK_j, dV_j  (B_c, d):   rows ty*TC + c, columns tx + 16*e        (kept in registers across all i)
+//   dQ_i        (B_r, d):   rows ty*TM + m, columns tx + 16*e
+// dQ is accumulated with fp32 atomicAdd, as in FlashAttention-2: dQ_i receives one term from every key
+// block, and those blocks run concurrently. The alternative, a second kernel with query blocks outer,
+// is deterministic but recomputes S_ij and dP_ij (7 block products instead of 5). The price of atomics:
+// the order of the additions, and so the last bits of dQ, can change from run to run.
+template <int d, int B_r, int B_c>
+__global__ void __launch_bounds__(128)
+flash_bwd_fp32(const float* __restrict__ Q, const float* __restrict__ K, const float* __restrict__ V,
+               const float* __restrict__ dO, const float* __restrict__ L, const float* __restrict__ D,
+               float* __restrict__ dQ, float* __restrict__ dK, float* __restrict__ dV,
+               int N, float scale, bool causal) {
+  constexpr int TM = B_r / 8, TN = B_c / 16, TC = B_c / 8, TX = d / 16, ld = d + 4, ldS = B_c + 4;
+  extern __shared__ float smem[];
+  float* K_s = smem;              // K_j    (B_c, d)   row stride ld
+  float* V_s = K_s + B_c * ld;    // V_j    (B_c, d)   row stride ld
+  float* Q_s = V_s + B_c * ld;    // Q_i    (B_r, d)   row stride ld
+  float* dO_s = Q_s + B_r * ld;   // dO_i   (B_r, d)   row stride ld
+  float* P_s = dO_s + B_r * ld;   // P_ij   (B_r, B_c) row stride ldS
+  float* dS_s = P_s + B_r * ldS;  // dS_ij  (B_r, B_c) row stride ldS
+  const int tx = threadIdx.x % 16, ty = threadIdx.x / 16;
+  const int j = blockIdx.x, col0 = j * B_c;
+  const size_t head = (size_t)blockIdx.y * N * d;
+  Q += head; K += head; V += head; dO += head; dQ += head; dK += head; dV += head;
+  L += (size_t)blockIdx.y * N; D += (size_t)blockIdx.y * N;
+  const float scale_log2 = scale * LOG2E;
+
+  load_tile<B_c, d, 128>(K_s, ld, K, col0, N);                             // l.7: load K_j, V_j
+  load_tile<B_c, d, 128>(V_s, ld, V, col0, N);
+  float dK_j[TC][TX] = {}, dV_j[TC][TX] = {};                              // l.8: dK_j = dV_j = 0
+
+  const int T_r = (N + B_r - 1) / B_r;
+  for (int i = causal ? col0 / B_r : 0; i < T_r; i++) {                    // l.9 (causal: skip blocks above)
+    const int row0 = i * B_r;
+    __syncthreads();  // every thread is done reading Q_s, dO_s, P_s, dS_s of block i-1
+    load_tile<B_r, d, 128>(Q_s, ld, Q, row0, N);                           // l.10: load Q_i, dO_i, L_i, D_i
+    load_tile<B_r, d, 128>(dO_s, ld, dO, row0, N);
+    float L_i[TM], D_i[TM];
+    for (int m = 0; m < TM; m++) {
+      const int r = row0 + ty * TM + m;
+      L_i[m] = r < N ? L[r] * LOG2E : 0.f;
+      D_i[m] = r < N ? D[r] : 0.f;
+    }
+    __syncthreads();  // Q_i, dO_i (and K_j, V_j on the first pass) are in shared memory
+
+    float S_ij[TM][TN] = {}, dP_ij[TM][TN] = {};
+    mma_XYt<TM, TN, d>(S_ij, Q_s, K_s, ld, tx, ty);                        // l.11: S_ij = Q_i K_j^T
+    mma_XYt<TM, TN, d>(dP_ij, dO_s, V_s, ld, tx, ty);                      // l.14: dP_ij = dO_i V_j^T
+    for (int m = 0; m < TM; m++)
+      for (int n = 0; n < TN; n++) {
+        const int r = row0 + ty * TM + m, c = col0 + tx + 16 * n;
+        const bool seen = r < N && c < N && !(causal && c > r);
+        const float P = seen ? exp2f(S_ij[m][n] * scale_log2 - L_i[m]) : 0.f;  // l.12: P_ij = exp(S_ij - L_i)
+        P_s[(ty * TM + m) * ldS + tx + 16 * n] = P;
+        dS_s[(ty * TM + m) * ldS + tx + 16 * n] = P * (dP_ij[m][n] - D_i[m]);  // l.15: dS_ij = P o (dP - D_i)
+      }
+    __syncthreads();  // P_ij and dS_ij are complete: the products below read columns of other threads
+
+    for (int r = 0; r < B_r; r++) {             // l.13: dV_j += P_ij^T dO_i;  l.17: dK_j += dS_ij^T Q_i
+      float p[TC], ds[TC], dO_r[TX], Q_r[TX];
+      for (int c = 0; c < TC; c += 4) {
+        const float4 x = *reinterpret_cast<const float4*>(&P_s[r * ldS + ty * TC + c]);
+        const float4 y = *reinterpret_cast<const float4*>(&dS_s[r * ldS + ty * TC + c]);
+        p[c] = x.x, p[c + 1] = x.y, p[c + 2] = x.z, p[c + 3] = x.w;
+        ds[c] = y.x, ds[c + 1] = y.y, ds[c + 2] = y.z, ds[c + 3] = y.w;
+      }
+      for (int e = 0; e < TX; e++) dO_r[e] = dO_s[r * ld + tx + 16 * e], Q_r[e] = Q_s[r * ld + tx + 16 * e];
+      for (int c = 0; c < TC; c++)
+        for (int e = 0; e < TX; e++) dV_j[c][e] += p[c] * dO_r[e], dK_j[c][e] += ds[c] * Q_r[e];
+    }
+
+    float dQ_i[TM][TX] = {};                                               // l.16: dQ_i += dS_ij K_j
+    for (int c = 0; c < B_c; c += 4) {
+      float4 ds[TM];
+      for (int m = 0; m < TM; m++) ds[m] = *reinterpret_cast<const float4*>(&dS_s[(ty * TM + m) * ldS + c]);
+      for (int e = 0; e < TX; e++) {
+        const float k0 = K_s[c * ld + tx + 16 * e], k1 = K_s[(c + 1) * ld + tx + 16 * e],
+                    k2 = K_s[(c + 2) * ld + tx + 16 * e], k3 = K_s[(c + 3) * ld + tx + 16 * e];
+        for (int m = 0; m < TM; m++) dQ_i[m][e] += ds[m].x * k0 + ds[m].y * k1 + ds[m].z * k2 + ds[m].w * k3;
+      }
+    }
+    for (int m = 0; m < TM; m++) {
+      const int r = row0 + ty * TM + m;
+      if (r < N)
+        for (int e = 0; e < TX; e++) atomicAdd(&dQ[(size_t)r * d + tx + 16 * e], scale * dQ_i[m][e]);
+    }
+  }
+  for (int c = 0; c < TC; c++) {                                           // l.19: write dK_j, dV_j
+    const int k = col0 + ty * TC + c;
+    if (k >= N) continue;
+    for (int e = 0; e < TX; e++) {
+      dK[(size_t)k * d + tx + 16 * e] = scale * dK_j[c][e];
+      dV[(size_t)k * d + tx + 16 * e] = dV_j[c][e];
+    }
+  }
+}
+
+// ------------------------------------------------------------------------------------------------------
+// Host side: one launcher per kernel, one dispatcher for all of them.
+#define CUDA_CHECK(call)                                                                     \
+  do {                                                                                       \
+    cudaError_t err_ = (call);                                                               \
+    TORCH_CHECK(err_ == cudaSuccess, "CUDA error: ", cudaGetErrorString(err_), " at " #call); \
+  } while (0)
+
+// Kernels that need more than 48 KB of shared memory must ask for it before their first launch.
+template <typename Kernel>
+void launch(Kernel kernel, dim3 grid, int threads, size_t smem, cudaStream_t stream, auto... args) {
+  CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
+  kernel<<<grid, threads, smem, stream>>>(args...);
+  CUDA_CHECK(cudaGetLastError());
+}
+
+// Block sizes: B_r = B_c = 64 lets three forward blocks (two backward) share an SM; for d > 64 the key
+// block (and the backward's query block) is halved so that shared memory still fits that many.
+template <int d>
+void fwd_fp32(const torch::Tensor& Q, const torch::Tensor& K, const torch::Tensor& V, torch::Tensor& O,
+              torch::Tensor& L, bool causal, float scale, cudaStream_t stream) {
+  constexpr int B_r = 64, B_c = d <= 64 ? 64 : 32;
+  const int N = Q.size(2), BH = Q.size(0) * Q.size(1);
+  const size_t smem = sizeof(float) * (B_r * (d + 4) + B_c * std::max(d + 4, B_r + 4) + B_c * d);
+  launch(flash_fwd_fp32<d, B_r, B_c>, dim3((N + B_r - 1) / B_r, BH), 128, smem, stream,
+         Q.data_ptr<float>(), K.data_ptr<float>(), V.data_ptr<float>(), O.data_ptr<float>(),
+         L.data_ptr<float>(), N, scale * LOG2E, causal);
+}
+
+template <int d>
+void bwd_fp32(const torch::Tensor& Q, const torch::Tensor& K, const torch::Tensor& V, const torch::Tensor& dO,
+              const torch::Tensor& L, const torch::Tensor& D, torch::Tensor& dQ, torch::Tensor& dK,
+              torch::Tensor& dV, bool causal, float scale, cudaStream_t stream) {
+  constexpr int B_r = d <= 64 ? 64 : 32, B_c = d <= 64 ? 64 : 32;
+  const int N = Q.size(2), BH = Q.size(0) * Q.size(1);
+  const size_t smem = sizeof(float) * (2 * (B_r + B_c) * (d + 4) + 2 * B_r * (B_c + 4));
+  launch(flash_bwd_fp32<d, B_r, B_c>, dim3((N + B_c - 1) / B_c, BH), 128, smem, stream,
+         Q.data_ptr<float>(), K.data_ptr<float>(), V.data_ptr<float>(), dO.data_ptr<float>(),
+         L.data_ptr<float>(), D.data_ptr<float>(), dQ.data_ptr<float>(), dK.data_ptr<float>(),
+         dV.data_ptr<float>(), N, scale, causal);
+}
+
+// Calls f.template operator()<d>() for the run-time head dim d: each d is its own compiled kernel.
+template <typename F>
+void with_head_dim(int d, F f) {
+  switch (d) {
+    case 16: return f.template operator()<16>();
+    case 32: return f.template operator()<32>();
+    case 64: return f.template operator()<64>();
+    case 96: return f.template operator()<96>();
+    case 128: return f.template operator()<128>();
+    default: TORCH_CHECK(false, "head dim must be 16, 32, 64, 96 or 128, got ", d);
+  }
+}
+
+std::vector<torch::Tensor> forward(const std::string& kernel, const torch::Tensor& Q, const torch::Tensor& K,
+                                   const torch::Tensor& V, bool causal, double scale, int64_t stream_ptr) {
+  const auto stream = reinterpret_cast<cudaStream_t>(stream_ptr);
+  auto O = torch::empty_like(Q);                                                   // (B, H, N, d)
+  auto L = torch::empty({Q.size(0), Q.size(1), Q.size(2)}, Q.options().dtype(torch::kFloat32));  // (B, H, N)
+  if (kernel == "fp32")
+    with_head_dim(Q.size(3), [&]<int d>() { fwd_fp32<d>(Q, K, V, O, L, causal, scale, stream); });
+  else
+    TORCH_CHECK(false, "unknown kernel '", kernel, "'");
+  return {O, L};
+}
+
+std::vector<torch::Tensor> backward(const std::string& kernel, const torch::Tensor& Q, const torch::Tensor& K,
+                                    const torch::Tensor& V, const torch::Tensor& O, const torch::Tensor& L,
+                                    const torch::Tensor& dO, bool causal, double scale, int64_t stream_ptr) {
+  const auto stream = reinterpret_cast<cudaStream_t>(stream_ptr);
+  const int d = Q.size(3);
+  const size_t rows = Q.numel() / d;
+  auto D = torch::empty_like(L);                                        // (B, H, N) fp32
+  auto dQ = torch::zeros_like(Q, Q.options().dtype(torch::kFloat32));   // (B, H, N, d) fp32: atomics add into it
+  auto dK = torch::empty_like(K), dV = torch::empty_like(V);            // (B, H, N, d)
+  if (kernel == "fp32") {
+    launch(flash_bwd_preprocess<float>, dim3((rows + 7) / 8), 256, 0, stream, O.data_ptr<float>(),
+           dO.data_ptr<float>(), D.data_ptr<float>(), rows, d);
+    with_head_dim(d, [&]<int d>() { bwd_fp32<d>(Q, K, V, dO, L, D, dQ, dK, dV, causal, scale, stream); });
+  } else {
+    TORCH_CHECK(false, "unknown kernel '", kernel, "'");
+  }
+  return {dQ, dK, dV};
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("forward", &forward, "O, L = forward(kernel, Q, K, V, causal, scale, stream)");
+  m.def("backward", &backward, "dQ, dK, dV = backward(kernel, Q, K, V, O, L, dO, causal, scale, stream)");
+}

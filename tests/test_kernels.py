@@ -1,0 +1,89 @@
+"""Every kernel of flash.cu against float64, forward and all three gradients with a random dO.
+
+Tolerance: a kernel's relative error against float64 may be at most 3x the error of PyTorch's own
+scaled_dot_product_attention in the same dtype on the same inputs (plus a small floor for near-exact
+cases). Skipped, visibly, without a CUDA GPU.
+"""
+import pytest
+import torch
+import torch.nn.functional as F
+
+import reference
+from main import flash_attention, list_kernels
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+FLOOR = {torch.float32: 1e-6, torch.float16: 1e-4, torch.bfloat16: 1e-3}
+CASES = [(k["name"], dtype, d) for k in list_kernels() if k["available"] for dtype in k["dtypes"] for d in k["head_dims"]]
+
+
+def rel_err(x, ref):
+    return ((x.double() - ref).norm() / (ref.norm() + 1e-6 * ref.numel() ** 0.5)).item()
+
+
+def run(fn, q, k, v, do):
+    """Output and gradients of fn(q, k, v) for the loss <o, do>."""
+    q, k, v = (t.detach().clone().requires_grad_() for t in (q, k, v))
+    o = fn(q, k, v)
+    return [o, *torch.autograd.grad(o, (q, k, v), do)]
+
+
+def check(kernel, q, k, v, do, causal, scale=None):
+    """Compare kernel and SDPA (same dtype) with float64; the kernel may err 3x as much as SDPA."""
+    ref = run(lambda q, k, v: reference.attention(q, k, v, causal, scale), q.double(), k.double(), v.double(), do.double())
+    ours = run(lambda q, k, v: flash_attention(q, k, v, causal=causal, softmax_scale=scale, kernel=kernel), q, k, v, do)
+    sdpa = run(lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale), q, k, v, do)
+    for name, x, s, r in zip(["O", "dQ", "dK", "dV"], ours, sdpa, ref):
+        assert x.shape == r.shape and x.dtype == q.dtype, f"{name}: shape {x.shape} dtype {x.dtype}"
+        assert torch.isfinite(x).all(), f"{name} has non-finite values"
+        err, err_sdpa = rel_err(x, r), rel_err(s, r)
+        assert err <= 3 * err_sdpa + FLOOR[q.dtype], \
+            f"{name}: relative error {err:.2e} vs SDPA's {err_sdpa:.2e} (kernel={kernel}, shape={tuple(q.shape)}, causal={causal})"
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("N", [1, 7, 63, 64, 65, 200, 1000, 1024])
+@pytest.mark.parametrize("kernel, dtype, d", CASES)
+def test_against_float64(kernel, dtype, d, N, causal):
+    torch.manual_seed(N * 7 + d)
+    q, k, v, do = (torch.randn(2, 3, N, d, device="cuda", dtype=DTYPES[dtype]) for _ in range(4))
+    check(kernel, q, k, v, do, causal)
+
+
+@pytest.mark.parametrize("kernel, dtype, d", [c for c in CASES if c[2] == 64])
+def test_large_scores_stay_finite_and_accurate(kernel, dtype, d):
+    torch.manual_seed(0)
+    q, k, v, do = (torch.randn(2, 2, 300, d, device="cuda", dtype=DTYPES[dtype]) for _ in range(4))
+    for causal in (False, True):
+        check(kernel, q * 30, k * 30, v, do, causal)
+
+
+@pytest.mark.parametrize("kernel, dtype, d", [c for c in CASES if c[2] == 64])
+def test_scale_and_non_contiguous_inputs(kernel, dtype, d):
+    torch.manual_seed(1)
+    # (B, N, H, d) storage seen as (B, H, N, d): the layout most models produce
+    q, k, v, do = (torch.randn(2, 129, 3, d, device="cuda", dtype=DTYPES[dtype]).transpose(1, 2) for _ in range(4))
+    assert not q.is_contiguous()
+    check(kernel, q, k, v, do, causal=True, scale=0.05)
+
+
+@pytest.mark.parametrize("shape", [(0, 2, 16, 64), (2, 0, 16, 64), (2, 2, 0, 64)])
+def test_empty_inputs(shape):
+    q, k, v = (torch.randn(shape, device="cuda", requires_grad=True) for _ in range(3))
+    o = flash_attention(q, k, v)
+    assert o.shape == shape
+    o.sum().backward()
+    assert q.grad.shape == shape
+
+
+def test_no_n_by_n_memory():
+    """At N = 8192 an N x N fp32 matrix per head would be 256 MiB; the kernel allocates O(N d) only."""
+    q, k, v, do = (torch.randn(1, 1, 8192, 64, device="cuda") for _ in range(4))
+    q.requires_grad_()
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    before = torch.cuda.memory_allocated()
+    o = flash_attention(q, k, v, kernel="fp32")
+    torch.autograd.grad(o, q, do)
+    extra = torch.cuda.max_memory_allocated() - before
+    assert extra < 16 * q.numel() * 4, f"peak extra memory {extra / 2**20:.1f} MiB"

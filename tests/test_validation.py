@@ -1,0 +1,60 @@
+"""Bad input raises a clear TypeError/ValueError in Python, before anything reaches the GPU."""
+import pytest
+import torch
+
+from main import flash_attention, list_kernels
+
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+def qkv(shape=(1, 2, 8, 64), dtype=torch.float32, device="cpu"):
+    return [torch.randn(shape, dtype=dtype, device=device) for _ in range(3)]
+
+
+@pytest.mark.parametrize("make, error, words", [
+    (lambda: ([[1.0]], *qkv()[1:]), TypeError, "q must be a torch.Tensor"),
+    (lambda: qkv((2, 8, 64)), ValueError, "4 dimensions (B, H, N, d)"),
+    (lambda: (*qkv()[:2], torch.randn(1, 2, 9, 64)), ValueError, "same shape"),
+    (lambda: qkv(dtype=torch.float64), TypeError, "float32, float16 or bfloat16, got torch.float64"),
+    (lambda: [torch.ones(1, 2, 8, 64, dtype=torch.int32)] * 3, TypeError, "got torch.int32"),
+    (lambda: (*qkv()[:2], torch.randn(1, 2, 8, 64).half()), TypeError, "one dtype"),
+    (lambda: qkv(), ValueError, "must be a CUDA tensor, got a tensor on cpu"),
+])
+def test_bad_inputs(make, error, words):
+    with pytest.raises(error) as info:
+        flash_attention(*make())
+    assert words in str(info.value)
+
+
+@pytest.mark.parametrize("kwargs, error, words", [
+    (dict(causal=1), TypeError, "causal must be True or False"),
+    (dict(softmax_scale="0.1"), ValueError, "softmax_scale must be None or a finite number"),
+    (dict(softmax_scale=float("nan")), ValueError, "finite number"),
+    (dict(kernel="nope"), ValueError, "unknown kernel 'nope'; valid: 'auto', 'fp32'"),
+    (dict(kernel=3), TypeError, "kernel must be a string"),
+])
+def test_bad_arguments(kwargs, error, words):
+    with pytest.raises(error) as info:
+        flash_attention(*qkv(), **kwargs)
+    assert words in str(info.value)
+
+
+def test_list_kernels_fields():
+    kernels = list_kernels()
+    assert [k["name"] for k in kernels][0] == "fp32"
+    for k in kernels:
+        assert set(k) >= {"name", "dtypes", "backward", "head_dims", "min_arch", "available"}
+        assert set(k["dtypes"]) <= {"float32", "float16", "bfloat16"}
+        assert all(isinstance(d, int) for d in k["head_dims"]) and isinstance(k["min_arch"], int)
+        assert k["available"] == (torch.cuda.is_available() and k["min_arch"] <= 10 * torch.cuda.get_device_capability()[0] + torch.cuda.get_device_capability()[1])
+
+
+@cuda
+def test_bad_inputs_on_gpu():
+    q, k, v = qkv(device="cuda")
+    with pytest.raises(ValueError, match="head dim 48|d=48"):
+        flash_attention(*qkv((1, 2, 8, 48), device="cuda"))
+    with pytest.raises(ValueError, match="one device|v must be a CUDA tensor"):
+        flash_attention(q, k, v.cpu()) if torch.cuda.device_count() < 2 else flash_attention(q, k, v.to("cuda:1"))
+    with pytest.raises(ValueError, match="B \\* H must be at most 65535"):
+        flash_attention(*qkv((65536, 1, 1, 16), device="cuda"))
