@@ -18,6 +18,8 @@
 // The softmax runs in base 2: scores are multiplied by scale * log2(e) once, so exp becomes exp2 (one
 // MUFU.EX2 instruction) and m_i is kept in those units; L is converted back to natural log on output.
 #include <torch/extension.h>
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
 constexpr float LOG2E = 1.4426950408889634f;  // log2(e): exp(x) = exp2(x * LOG2E)
@@ -58,11 +60,32 @@ __device__ void mma_XYt(float (&acc)[TM][TN], const float* A, const float* B, in
   }
 }
 
+// The d/16 columns of a (rows, d) matrix that thread tx owns in O_i, dK_j, dV_j and dQ_i. When d is a
+// multiple of 64 they come in runs of 4 neighbours, x = 64*(e/4) + 4*tx + e%4, so one float4 load reads
+// a run; otherwise every 16th column, x = 16*e + tx. Either way the 16 threads of a half-warp cover a row.
+template <int d>
+__device__ int col(int tx, int e) { return d % 64 == 0 ? 64 * (e / 4) + 4 * tx + e % 4 : 16 * e + tx; }
+
+// x[e] = row[col(tx, e)] for e < d/16
+template <int d>
+__device__ void load_cols(float (&x)[d / 16], const float* row, int tx) {
+  if constexpr (d % 64 == 0) {
+#pragma unroll
+    for (int e = 0; e < d / 16; e += 4) {
+      const float4 v = *reinterpret_cast<const float4*>(&row[64 * (e / 4) + 4 * tx]);
+      x[e] = v.x, x[e + 1] = v.y, x[e + 2] = v.z, x[e + 3] = v.w;
+    }
+  } else {
+#pragma unroll
+    for (int e = 0; e < d / 16; e++) x[e] = row[16 * e + tx];
+  }
+}
+
 // ------------------------------------------------------------------------------------------------------
 // fp32 forward: FlashAttention-2, Algorithm 1.
 // Grid (T_r, B*H): one block per query block Q_i of one head; heavy causal blocks (large i) start first.
 // Block: 128 threads as 8 (ty) x 16 (tx). Thread (ty, tx) owns rows ty*TM .. ty*TM+TM-1 of S_ij and O_i,
-// columns tx + 16*n of S_ij (n < TN) and columns tx + 16*e of O_i (e < TX). The 16 threads that share a
+// columns tx + 16*n of S_ij (n < TN) and columns col(tx, e) of O_i (e < TX). The 16 threads that share a
 // row sit in one half-warp, so row max and row sum are shuffles, never shared memory.
 template <int d, int B_r, int B_c>
 __global__ void __launch_bounds__(128)
@@ -129,7 +152,7 @@ flash_fwd_fp32(const float* __restrict__ Q, const float* __restrict__ K, const f
         const float4 x = *reinterpret_cast<const float4*>(&P_s[c * ldP + ty * TM + m]);
         p[m] = x.x, p[m + 1] = x.y, p[m + 2] = x.z, p[m + 3] = x.w;
       }
-      for (int e = 0; e < TX; e++) v[e] = V_s[c * d + tx + 16 * e];
+      load_cols<d>(v, &V_s[c * d], tx);
       for (int m = 0; m < TM; m++)
         for (int e = 0; e < TX; e++) O_i[m][e] += p[m] * v[e];
     }
@@ -138,7 +161,7 @@ flash_fwd_fp32(const float* __restrict__ Q, const float* __restrict__ K, const f
     const int r = row0 + ty * TM + m;
     for (int off = 8; off > 0; off /= 2) l_i[m] += __shfl_xor_sync(~0u, l_i[m], off);
     if (r >= N) continue;
-    for (int e = 0; e < TX; e++) O[(size_t)r * d + tx + 16 * e] = O_i[m][e] / l_i[m];   // l.13, l.15
+    for (int e = 0; e < TX; e++) O[(size_t)r * d + col<d>(tx, e)] = O_i[m][e] / l_i[m];   // l.13, l.15
     if (tx == 0) L[r] = (m_i[m] + log2f(l_i[m])) * LN2;                    // l.14, l.16: L_i = m_i + log(l_i)
   }
 }
@@ -162,8 +185,8 @@ __global__ void flash_bwd_preprocess(const T* __restrict__ O, const T* __restric
 // Grid (T_c, B*H): one block per key block K_j, V_j of one head; it loops over the query blocks Q_i.
 // Block: 128 threads as 8 (ty) x 16 (tx). Thread (ty, tx) owns
 //   S_ij, dP_ij (B_r, B_c): rows ty*TM + m, columns tx + 16*n        (as in the forward)
-//   dK_j, dV_j  (B_c, d):   rows ty*TC + c, columns tx + 16*e        (kept in registers across all i)
-//   dQ_i        (B_r, d):   rows ty*TM + m, columns tx + 16*e
+//   dK_j, dV_j  (B_c, d):   rows ty*TC + c, columns col(tx, e)       (kept in registers across all i)
+//   dQ_i        (B_r, d):   rows ty*TM + m, columns col(tx, e)
 // dQ is accumulated with fp32 atomicAdd, as in FlashAttention-2: dQ_i receives one term from every key
 // block, and those blocks run concurrently. The alternative, a second kernel with query blocks outer,
 // is deterministic but recomputes S_ij and dP_ij (7 block products instead of 5). The price of atomics:
@@ -228,7 +251,8 @@ flash_bwd_fp32(const float* __restrict__ Q, const float* __restrict__ K, const f
         p[c] = x.x, p[c + 1] = x.y, p[c + 2] = x.z, p[c + 3] = x.w;
         ds[c] = y.x, ds[c + 1] = y.y, ds[c + 2] = y.z, ds[c + 3] = y.w;
       }
-      for (int e = 0; e < TX; e++) dO_r[e] = dO_s[r * ld + tx + 16 * e], Q_r[e] = Q_s[r * ld + tx + 16 * e];
+      load_cols<d>(dO_r, &dO_s[r * ld], tx);
+      load_cols<d>(Q_r, &Q_s[r * ld], tx);
       for (int c = 0; c < TC; c++)
         for (int e = 0; e < TX; e++) dV_j[c][e] += p[c] * dO_r[e], dK_j[c][e] += ds[c] * Q_r[e];
     }
@@ -237,25 +261,208 @@ flash_bwd_fp32(const float* __restrict__ Q, const float* __restrict__ K, const f
     for (int c = 0; c < B_c; c += 4) {
       float4 ds[TM];
       for (int m = 0; m < TM; m++) ds[m] = *reinterpret_cast<const float4*>(&dS_s[(ty * TM + m) * ldS + c]);
-      for (int e = 0; e < TX; e++) {
-        const float k0 = K_s[c * ld + tx + 16 * e], k1 = K_s[(c + 1) * ld + tx + 16 * e],
-                    k2 = K_s[(c + 2) * ld + tx + 16 * e], k3 = K_s[(c + 3) * ld + tx + 16 * e];
-        for (int m = 0; m < TM; m++) dQ_i[m][e] += ds[m].x * k0 + ds[m].y * k1 + ds[m].z * k2 + ds[m].w * k3;
-      }
+      float k0[TX], k1[TX], k2[TX], k3[TX];
+      load_cols<d>(k0, &K_s[c * ld], tx), load_cols<d>(k1, &K_s[(c + 1) * ld], tx);
+      load_cols<d>(k2, &K_s[(c + 2) * ld], tx), load_cols<d>(k3, &K_s[(c + 3) * ld], tx);
+      for (int m = 0; m < TM; m++)
+        for (int e = 0; e < TX; e++)
+          dQ_i[m][e] += ds[m].x * k0[e] + ds[m].y * k1[e] + ds[m].z * k2[e] + ds[m].w * k3[e];
     }
     for (int m = 0; m < TM; m++) {
       const int r = row0 + ty * TM + m;
       if (r < N)
-        for (int e = 0; e < TX; e++) atomicAdd(&dQ[(size_t)r * d + tx + 16 * e], scale * dQ_i[m][e]);
+        for (int e = 0; e < TX; e++) atomicAdd(&dQ[(size_t)r * d + col<d>(tx, e)], scale * dQ_i[m][e]);
     }
   }
   for (int c = 0; c < TC; c++) {                                           // l.19: write dK_j, dV_j
     const int k = col0 + ty * TC + c;
     if (k >= N) continue;
     for (int e = 0; e < TX; e++) {
-      dK[(size_t)k * d + tx + 16 * e] = scale * dK_j[c][e];
-      dV[(size_t)k * d + tx + 16 * e] = dV_j[c][e];
+      dK[(size_t)k * d + col<d>(tx, e)] = scale * dK_j[c][e];
+      dV[(size_t)k * d + col<d>(tx, e)] = dV_j[c][e];
     }
+  }
+}
+
+// ------------------------------------------------------------------------------------------------------
+// Tensor-core building blocks (sm_80+: mma.m16n8k16 with fp16/bf16 inputs, ldmatrix, cp.async).
+// In a warp, lane = 4*g + t (g = lane / 4 in 0..7, t = lane % 4 in 0..3). The fragments of one
+//   D (16 x 8, fp32) += A (16 x 16, row-major) * B (16 x 8, column-major)
+// are spread over the warp like this (each register of A and B holds two 16-bit values):
+//   A: a0 = A[g][2t, 2t+1]   a1 = A[g+8][2t, 2t+1]   a2 = A[g][2t+8, 2t+9]   a3 = A[g+8][2t+8, 2t+9]
+//   B: b0 = B[2t, 2t+1][g]   b1 = B[2t+8, 2t+9][g]
+//   D: d0, d1 = D[g][2t, 2t+1]                       d2, d3 = D[g+8][2t, 2t+1]
+// D's layout for two neighbouring 16 x 8 tiles is A's layout for one 16 x 16 tile: that is why P_ij can
+// go from the S_ij accumulators straight into the next product without touching shared memory.
+template <typename T> struct TC;  // per input type: how two floats become one 32-bit register, and the mma
+template <> struct TC<__half> {
+  static __device__ uint32_t pack(float lo, float hi) {
+    __half2 h = __floats2half2_rn(lo, hi);
+    return *reinterpret_cast<uint32_t*>(&h);
+  }
+  // for (m, n) in 16 x 8: d[m][n] += sum_k a[m][k] * b[k][n], k < 16, fp16 inputs, fp32 sums
+  static __device__ void mma(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
+                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+  }
+};
+template <> struct TC<__nv_bfloat16> {
+  static __device__ uint32_t pack(float lo, float hi) {
+    __nv_bfloat162 h = __floats2bfloat162_rn(lo, hi);
+    return *reinterpret_cast<uint32_t*>(&h);
+  }
+  // the same product with bf16 inputs
+  static __device__ void mma(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
+                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+  }
+};
+
+// ldmatrix.x4: four 8 x 8 matrices of 16-bit values from shared memory, one per group of 8 lanes.
+// Lane l gives the address of one row: row l % 8 of matrix l / 8. Afterwards register r[i] of lane l holds
+//   matrix i, row l / 4, columns 2*(l % 4) and 2*(l % 4) + 1            (no .trans: a row of 2 values)
+//   matrix i, rows 2*(l % 4) and 2*(l % 4) + 1, column l / 4           (.trans: a column of 2 values)
+// which is exactly one register of an A or B fragment above.
+__device__ void ldmatrix_x4(uint32_t (&r)[4], const void* row) {
+  const uint32_t addr = __cvta_generic_to_shared(row);
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(addr));
+}
+__device__ void ldmatrix_x4_trans(uint32_t (&r)[4], const void* row) {
+  const uint32_t addr = __cvta_generic_to_shared(row);
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(addr));
+}
+
+// cp.async: copy 16 bytes global -> shared without passing through registers; the thread goes on at once.
+// With src_bytes = 0 nothing is read and the 16 bytes are zero-filled (rows past N). Copies issued since
+// the last commit form a group; wait_group<n> blocks until at most n groups are still in flight.
+__device__ void cp_async_16(void* dst, const void* src, bool in_bounds) {
+  const uint32_t addr = __cvta_generic_to_shared(dst);
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(addr), "l"(src), "r"(in_bounds ? 16 : 0));
+}
+__device__ void cp_async_commit() { asm volatile("cp.async.commit_group;"); }
+template <int n>
+__device__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;" ::"n"(n)); }
+
+// Starts copying a (rows, d) tile of 16-bit values into shared memory with row stride d + 8: the 16 bytes
+// of padding shift consecutive rows by 4 banks, so the 8 rows an ldmatrix reads fall in 8 different
+// 16-byte bank groups (stride d alone would put all 8 in the same one).
+template <int rows, int d, int n_threads, typename T>
+__device__ void cp_async_tile(T* dst, const T* src, int row0, int N) {
+  for (int idx = threadIdx.x; idx < rows * d / 8; idx += n_threads) {
+    const int r = idx / (d / 8), c = 8 * (idx % (d / 8));
+    const bool in_bounds = row0 + r < N;
+    cp_async_16(&dst[r * (d + 8) + c], &src[(size_t)(in_bounds ? row0 + r : 0) * d + c], in_bounds);
+  }
+}
+
+// ------------------------------------------------------------------------------------------------------
+// fp16/bf16 forward on tensor cores (sm_80+): FlashAttention-2, Algorithm 1.
+// Grid (T_r, B*H); block of NW warps; B_r = 16*NW query rows, warp w owning rows 16w .. 16w+15 of Q_i, S_ij
+// and O_i outright (no reduction across warps). Q_i stays in registers as A fragments; K_j and V_j stream
+// through two shared-memory stages: while block j is multiplied, cp.async brings block j+1.
+// Per warp and block j, in fragments (see the layout above; nt: 8-column tile, kk: 16-wide k slice):
+//   S_ij (16, B_c)  = Q_i (16, d) K_j^T (d, B_c)    d/16 x B_c/8 mma, S[nt][4]
+//   O_i  (16, d)   += P_ij (16, B_c) V_j (B_c, d)   B_c/16 x d/8 mma, O[nt][4]
+template <typename T, int d, int NW>
+__global__ void __launch_bounds__(NW * 32)
+flash_fwd_ampere(const T* __restrict__ Q, const T* __restrict__ K, const T* __restrict__ V, T* __restrict__ O,
+                 float* __restrict__ L, int N, float scale_log2, bool causal) {
+  constexpr int B_r = 16 * NW, B_c = 64, ld = d + 8;
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  T* Q_s = reinterpret_cast<T*>(smem_raw);  // Q_i           (B_r, d)    row stride ld, read once
+  T* K_s = Q_s + B_r * ld;                  // K_j, 2 stages (2, B_c, d) row stride ld
+  T* V_s = K_s + 2 * B_c * ld;              // V_j, 2 stages (2, B_c, d) row stride ld
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
+  const int i = gridDim.x - 1 - blockIdx.x, row0 = i * B_r;
+  const size_t head = (size_t)blockIdx.y * N * d;
+  Q += head; K += head; V += head; O += head; L += (size_t)blockIdx.y * N;
+  const int T_c = (N + B_c - 1) / B_c;
+  const int j_end = causal ? min(T_c, (row0 + B_r - 1) / B_c + 1) : T_c;
+
+  cp_async_tile<B_r, d, NW * 32>(Q_s, Q, row0, N);                        // l.5: load Q_i
+  cp_async_commit();
+  cp_async_tile<B_c, d, NW * 32>(K_s, K, 0, N);                           // l.8 for j = 0
+  cp_async_tile<B_c, d, NW * 32>(V_s, V, 0, N);
+  cp_async_commit();
+  cp_async_wait<1>();  // this thread's copies of Q_i have landed (K_0, V_0 may still be in flight)
+  __syncthreads();     // ... and so have every other thread's
+  uint32_t Q_frag[d / 16][4];  // A fragments of this warp's 16 rows of Q_i, one per 16-wide k slice
+  for (int kk = 0; kk < d / 16; kk++)  // lane l points at row l % 16, column 16*kk + 8*(l / 16)
+    ldmatrix_x4(Q_frag[kk], &Q_s[(16 * warp + lane % 16) * ld + 16 * kk + 8 * (lane / 16)]);
+
+  float O_i[d / 8][4] = {}, m_i[2] = {-INFINITY, -INFINITY}, l_i[2] = {0.f, 0.f};  // l.6; rows g, g+8
+  for (int j = 0; j < j_end; j++) {                                         // l.7
+    const T* K_j = K_s + (j % 2) * B_c * ld;
+    const T* V_j = V_s + (j % 2) * B_c * ld;
+    if (j + 1 < j_end) {  // l.8 for block j+1, into the other stage (freed by the barrier ending j-1)
+      cp_async_tile<B_c, d, NW * 32>(K_s + ((j + 1) % 2) * B_c * ld, K, (j + 1) * B_c, N);
+      cp_async_tile<B_c, d, NW * 32>(V_s + ((j + 1) % 2) * B_c * ld, V, (j + 1) * B_c, N);
+    }
+    cp_async_commit();   // (an empty group on the last block keeps the counting below uniform)
+    cp_async_wait<1>();  // everything but the newest group has landed: K_j and V_j
+    __syncthreads();     // ... for every thread's copies
+
+    float S[B_c / 8][4] = {};                                               // l.9: S_ij = Q_i K_j^T
+    for (int kk = 0; kk < d / 16; kk++)
+      for (int nt = 0; nt < B_c / 8; nt += 2) {
+        // B fragments of keys 8nt .. 8nt+15: lane l points at key 8nt + l%8 + 8*(l/16), column 16kk + 8*((l/8)%2)
+        uint32_t b[4];
+        ldmatrix_x4(b, &K_j[(8 * nt + lane % 8 + 8 * (lane / 16)) * ld + 16 * kk + 8 * (lane / 8 % 2)]);
+        TC<T>::mma(S[nt], Q_frag[kk], b[0], b[1]);
+        TC<T>::mma(S[nt + 1], Q_frag[kk], b[2], b[3]);
+      }
+
+    const bool masked = causal ? (j + 1) * B_c > row0 : (j + 1) * B_c > N;  // any masked entry in block?
+    float rowmax[2] = {m_i[0], m_i[1]};                                     // l.10: online softmax
+    for (int nt = 0; nt < B_c / 8; nt++)
+      for (int e = 0; e < 4; e++) {
+        const int r = row0 + 16 * warp + g + 8 * (e / 2), c = j * B_c + 8 * nt + 2 * t + e % 2;
+        S[nt][e] = (masked && (c >= N || (causal && c > r))) ? -INFINITY : S[nt][e] * scale_log2;
+        rowmax[e / 2] = fmaxf(rowmax[e / 2], S[nt][e]);
+      }
+    float alpha[2];
+    for (int h = 0; h < 2; h++) {  // the 4 lanes of a quad (same g) hold one row: reduce across them
+      rowmax[h] = fmaxf(rowmax[h], __shfl_xor_sync(~0u, rowmax[h], 1));
+      rowmax[h] = fmaxf(rowmax[h], __shfl_xor_sync(~0u, rowmax[h], 2));
+      alpha[h] = exp2f(m_i[h] - rowmax[h]);  // e^(m^(j-1) - m^(j)); m^(j) is finite as key 0 comes first
+      m_i[h] = rowmax[h];
+      l_i[h] *= alpha[h];
+    }
+    for (int nt = 0; nt < d / 8; nt++)                                      // l.11 (first half): rescale O_i
+      for (int e = 0; e < 4; e++) O_i[nt][e] *= alpha[e / 2];
+    for (int kk = 0; kk < B_c / 16; kk++) {                                 // l.11: O_i += P_ij V_j
+      uint32_t P_frag[4];  // the S accumulators of tiles 2kk, 2kk+1 are the A fragment of slice kk
+      for (int h = 0; h < 2; h++) {
+        float* s = S[2 * kk + h];
+        for (int e = 0; e < 4; e++) s[e] = exp2f(s[e] - m_i[e / 2]);       // P_ij = exp(S_ij - m_i)
+        l_i[0] += s[0] + s[1], l_i[1] += s[2] + s[3];  // this lane's share of rowsum(P_ij)
+        P_frag[2 * h] = TC<T>::pack(s[0], s[1]);
+        P_frag[2 * h + 1] = TC<T>::pack(s[2], s[3]);
+      }
+      for (int nt = 0; nt < d / 8; nt += 2) {
+        // B fragments of V_j (keys 16kk .. 16kk+15, columns 8nt .. 8nt+15), transposed on the way:
+        // lane l points at key 16kk + l%8 + 8*((l/8)%2), column 8nt + 8*(l/16)
+        uint32_t b[4];
+        ldmatrix_x4_trans(b, &V_j[(16 * kk + lane % 8 + 8 * (lane / 8 % 2)) * ld + 8 * nt + 8 * (lane / 16)]);
+        TC<T>::mma(O_i[nt], P_frag, b[0], b[1]);
+        TC<T>::mma(O_i[nt + 1], P_frag, b[2], b[3]);
+      }
+    }
+    __syncthreads();  // every warp is done with stage j % 2 before iteration j+1 refills it
+  }
+  for (int h = 0; h < 2; h++) {
+    l_i[h] += __shfl_xor_sync(~0u, l_i[h], 1);
+    l_i[h] += __shfl_xor_sync(~0u, l_i[h], 2);
+    const int r = row0 + 16 * warp + g + 8 * h;
+    if (r >= N) continue;
+    for (int nt = 0; nt < d / 8; nt++)                                      // l.13, l.15: O_i / l_i
+      *reinterpret_cast<uint32_t*>(&O[(size_t)r * d + 8 * nt + 2 * t]) =
+          TC<T>::pack(O_i[nt][2 * h] / l_i[h], O_i[nt][2 * h + 1] / l_i[h]);
+    if (t == 0) L[r] = (m_i[h] + log2f(l_i[h])) * LN2;                      // l.14, l.16
   }
 }
 
@@ -301,6 +508,18 @@ void bwd_fp32(const torch::Tensor& Q, const torch::Tensor& K, const torch::Tenso
          dV.data_ptr<float>(), N, scale, causal);
 }
 
+template <typename T, int d>
+void fwd_ampere(const torch::Tensor& Q, const torch::Tensor& K, const torch::Tensor& V, torch::Tensor& O,
+                torch::Tensor& L, bool causal, float scale, cudaStream_t stream) {
+  constexpr int NW = 4, B_r = 16 * NW, B_c = 64;
+  const int N = Q.size(2), BH = Q.size(0) * Q.size(1);
+  const size_t smem = sizeof(T) * (B_r + 4 * B_c) * (d + 8);
+  launch(flash_fwd_ampere<T, d, NW>, dim3((N + B_r - 1) / B_r, BH), NW * 32, smem, stream,
+         reinterpret_cast<const T*>(Q.data_ptr()), reinterpret_cast<const T*>(K.data_ptr()),
+         reinterpret_cast<const T*>(V.data_ptr()), reinterpret_cast<T*>(O.data_ptr()), L.data_ptr<float>(), N,
+         scale * LOG2E, causal);
+}
+
 // Calls f.template operator()<d>() for the run-time head dim d: each d is its own compiled kernel.
 template <typename F>
 void with_head_dim(int d, F f) {
@@ -319,8 +538,18 @@ std::vector<torch::Tensor> forward(const std::string& kernel, const torch::Tenso
   const auto stream = reinterpret_cast<cudaStream_t>(stream_ptr);
   auto O = torch::empty_like(Q);                                                   // (B, H, N, d)
   auto L = torch::empty({Q.size(0), Q.size(1), Q.size(2)}, Q.options().dtype(torch::kFloat32));  // (B, H, N)
+  const bool half = Q.scalar_type() == torch::kHalf;
   if (kernel == "fp32")
     with_head_dim(Q.size(3), [&]<int d>() { fwd_fp32<d>(Q, K, V, O, L, causal, scale, stream); });
+  else if (kernel == "ampere")
+    with_head_dim(Q.size(3), [&]<int d>() {
+      if constexpr (d == 64 || d == 128) {
+        if (half) fwd_ampere<__half, d>(Q, K, V, O, L, causal, scale, stream);
+        else fwd_ampere<__nv_bfloat16, d>(Q, K, V, O, L, causal, scale, stream);
+      } else {
+        TORCH_CHECK(false, "kernel 'ampere' takes head dims 64 and 128, got ", d);
+      }
+    });
   else
     TORCH_CHECK(false, "unknown kernel '", kernel, "'");
   return {O, L};

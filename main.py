@@ -15,11 +15,15 @@ import torch
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
 
-# One entry per kernel in flash.cu (its index at the top of that file says what each adds).
-#   dtypes: input dtypes it takes; head_dims: values of d it is compiled for; min_arch: 10 * major + minor
+# One entry per kernel in flash.cu (its index at the top of that file says what each adds), from the most
+# general to the most specialised. dtypes: input dtypes it takes; head_dims: values of d it is compiled
+# for; min_arch: 10 * major + minor; backward_kernel: the kernel that computes its gradients (a kernel
+# without a backward of its own hands them to "fp32", on inputs upcast to float32).
 KERNELS = {
-    "fp32": dict(dtypes=("float32",), backward=True, head_dims=(16, 32, 64, 96, 128), min_arch=70,
+    "fp32": dict(dtypes=("float32",), head_dims=(16, 32, 64, 96, 128), min_arch=70, backward_kernel="fp32",
                  about="FlashAttention-2 on CUDA cores, fp32"),
+    "ampere": dict(dtypes=("float16", "bfloat16"), head_dims=(64, 128), min_arch=80, backward_kernel="fp32",
+                   about="FlashAttention-2 on tensor cores: mma.m16n8k16, ldmatrix, cp.async"),
 }
 DTYPES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
 MAX_GRID_Y = 65535  # B*H is the grid's y dimension
@@ -31,10 +35,12 @@ def _arch(device=None):
 
 
 def list_kernels():
-    """One dict per kernel: name, dtypes, backward, head_dims, min_arch, available (runs on this GPU), about."""
+    """One dict per kernel: name, dtypes, backward (has a backward kernel of its own), backward_kernel,
+    head_dims, min_arch, available (runs on this GPU), about."""
     arch = _arch() if torch.cuda.is_available() else 0
-    return [dict(name=name, dtypes=list(k["dtypes"]), backward=k["backward"], head_dims=list(k["head_dims"]),
-                 min_arch=k["min_arch"], available=arch >= k["min_arch"], about=k["about"])
+    return [dict(name=name, dtypes=list(k["dtypes"]), backward=k["backward_kernel"] == name,
+                 backward_kernel=k["backward_kernel"], head_dims=list(k["head_dims"]), min_arch=k["min_arch"],
+                 available=arch >= k["min_arch"], about=k["about"])
             for name, k in KERNELS.items()]
 
 
@@ -142,10 +148,13 @@ class FlashAttention(torch.autograd.Function):
         q, k, v, o, L = ctx.saved_tensors
         if q.numel() == 0:
             return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v), None, None, None
+        kernel, dtype = KERNELS[ctx.kernel]["backward_kernel"], q.dtype
+        tensors = (q, k, v, o, L, _prepare(do))
+        if dtype not in [getattr(torch, name) for name in KERNELS[kernel]["dtypes"]]:
+            tensors = [t.float() for t in tensors]  # the fallback: the fp32 backward on upcast inputs
         with torch.cuda.device(q.device):
-            dq, dk, dv = load().backward(ctx.kernel, q, k, v, o, L, _prepare(do), ctx.causal, ctx.scale,
-                                         torch.cuda.current_stream().cuda_stream)
-        return dq.to(q.dtype), dk, dv, None, None, None
+            grads = load().backward(kernel, *tensors, ctx.causal, ctx.scale, torch.cuda.current_stream().cuda_stream)
+        return *(g.to(dtype) for g in grads), None, None, None
 
 
 def flash_attention(q, k, v, causal=False, softmax_scale=None, kernel="auto"):
