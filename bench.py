@@ -62,10 +62,11 @@ SDPA_BACKENDS = {
     "sdpa-cudnn": "CUDNN_ATTENTION",
     "sdpa-math": "MATH",
 }
-# Largest error allowed, in units of the float32 reference's RMS (see
-# max_error). Roughly 10x what PyTorch's own kernels reach at each precision,
-# and far below the O(1) error of a real bug.
-TOLERANCE = {"fp16": 2e-2, "bf16": 1e-1, "fp32": 1e-3}
+# Largest error allowed (see max_error). PyTorch's own fused kernels reached
+# 1e-2 (fp16) and 2e-1 (bf16, dq of causal N=65536) on an H200; bf16 gets 8x
+# the fp16 limit for its 3 fewer mantissa bits. A real bug (a wrong row, a
+# mask off by one) gives 0.5 and more.
+TOLERANCE = {"fp16": 5e-2, "bf16": 4e-1, "fp32": 1e-3}
 
 # Dense peak TFLOP/s from NVIDIA's data sheets: tensor cores with fp32
 # accumulation for fp16/bf16, plain CUDA cores for fp32 (TF32 is off here).
@@ -218,14 +219,19 @@ def reference_attention(q, k, v, do, causal, scale, max_elements=2**27):
 
 
 def max_error(results, references):
-    """Largest absolute error over all tensors, in units of each reference's RMS.
+    """Largest error over all tensors, each element measured against its row's scale.
 
-    RMS rather than max|ref| as the unit, so that a handful of wrong rows with
-    small values (late rows of causal attention) still stand out. NaN stays NaN.
+    The unit is the row's largest |value| plus the tensor's RMS. Rows of causal
+    attention differ in size by orders of magnitude: measured against the
+    tensor's largest value a wrong late row would vanish, and measured against
+    its own size rounding noise in an entry near zero would look huge. NaN
+    stays NaN.
     """
-    errors = [((x.float() - ref).abs().max() / ref.square().mean().sqrt()).item()
-              for x, ref in zip(results, references)]
-    return torch.tensor(errors).max().item()
+    errors = []
+    for x, ref in zip(results, references):
+        unit = ref.abs().amax(dim=-1, keepdim=True) + ref.square().mean().sqrt()
+        errors.append(((x.float() - ref).abs() / unit).max())
+    return torch.stack(errors).max().item()
 
 
 def attention_fn(system, causal, scale):
@@ -385,7 +391,7 @@ def bench_config(config, systems, kernels, modes, timer):
             row = dict.fromkeys(ROW_FIELDS)
             row.update(config, mode=mode, system=system)
             if info is not None and mode != "fwd" and not info["backward"]:
-                row.update(status="unsupported", note="no backward pass")
+                row.update(status="unsupported", note=f"no backward kernel of its own (gradients via {info.get('backward_kernel')})")
             else:
                 row.update(measure(system, attention_fn(system, causal, scale), inputs, refs,
                                    mode, timer, TOLERANCE[config["dtype"]]))
@@ -426,6 +432,8 @@ def run_sweep(args, argv):
     from main import list_kernels  # imported here: --plot-from and the CPU tests need no kernels
     # Manual attention and the reference must really be float32 in fp32 rows.
     torch.backends.cuda.matmul.allow_tf32 = False
+    # Autograd's own thread warns when it first calls cuBLAS; that is harmless.
+    warnings.filterwarnings("ignore", message="Attempting to run cuBLAS, but there was no current CUDA context")
     kernels = {info["name"]: info for info in list_kernels()}
     systems = select_systems(args.kernels, kernels)
     for name in systems:
@@ -563,8 +571,9 @@ def write_markdown(path, metadata, rows, figures, render_command):
              "x2.5 for backward and x3.5 for forward+backward.", "",
              "| | |", "|---|---|"]
     lines += [f"| {key} | {value} |" for key, value in metadata.items() if key != "command"]
-    lines += ["", "Measured with:", "", "```", metadata["command"], "```", "",
-              "This page was written with:", "", "```", render_command, "```", ""]
+    lines += ["", "Measured with:", "", "```", metadata["command"], "```", ""]
+    if render_command != metadata["command"]:
+        lines += ["This page was written from the saved results with:", "", "```", render_command, "```", ""]
     for key, group in group_rows(rows).items():
         figure = Path(os.path.relpath(figures[key], path.parent)).as_posix()
         lines += [f"## {group_title(key)}", "", f"![{group_title(key)}]({figure})", ""]

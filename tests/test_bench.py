@@ -174,14 +174,28 @@ def test_manual_attention_causal_first_row_only_sees_itself():
     torch.testing.assert_close(out[0, 0, 0], v[0, 0, 0])
 
 
-def test_max_error_is_relative_to_rms_and_keeps_nan():
-    ref = torch.ones(100)
+def test_max_error_is_measured_against_each_rows_scale():
+    ref = torch.ones(4, 8)
     assert bench.max_error([ref.clone()], [ref]) == 0.0
-    off = ref.clone()
-    off[7] = 1.5
-    assert bench.max_error([off, ref], [ref, ref]) == pytest.approx(0.5)
+    wrong_row = ref.clone()
+    wrong_row[2] = 0.0
+    # unit = row max (1) + RMS (1): the wrong row is off by one whole unit / 2
+    assert bench.max_error([ref, wrong_row], [ref, ref]) == pytest.approx(0.5)
+    # Rows shrinking like those of causal attention: a wrong last row, 30x
+    # smaller than the first, still fails even the loosest tolerance...
+    causal_like = torch.ones(1000, 8) / torch.arange(1, 1001.0).sqrt()[:, None]
+    last_row_wrong = causal_like.clone()
+    last_row_wrong[-1] *= -1
+    assert bench.max_error([last_row_wrong], [causal_like]) > max(bench.TOLERANCE.values())
+    # ...while rounding noise in an entry near zero does not.
+    near_zero = torch.tensor([[1.0, 1e-4]])
+    assert bench.max_error([torch.tensor([[1.0, 5e-4]])], [near_zero]) < bench.TOLERANCE["fp32"]
+
+
+def test_max_error_keeps_nan():
+    ref = torch.ones(4, 8)
     broken = ref.clone()
-    broken[3] = float("nan")
+    broken[3, 1] = float("nan")
     assert torch.tensor(bench.max_error([ref, broken], [ref, ref])).isnan()
 
 
