@@ -1,10 +1,15 @@
 // flash.cu: FlashAttention kernels written to be read, in the notation of the FlashAttention papers.
 //
-// Index (speed: B=16, H=12, d=64, non-causal, on an H100 80GB HBM3, `python bench.py`; see docs/benchmarks.md)
-//   kernel  what it adds                                            GPUs      speed
-//   fp32    FA-2 Algorithms 1 and 2 on CUDA cores: one thread block per   sm_70+    see README / docs
-//           query block (forward) or key block (backward), each thread
-//           owning an 8 x 4 tile of S_ij; dQ accumulated with atomics
+// Index. Speed on an NVIDIA H200 (sm_90), measured with bench.py (commands in docs/benchmarks.md):
+//   fp32: B=16, H=12, d=64, non-causal, N=1024 / 4096, against manual attention (TF32 off) in the same run
+//   ampere: FlashAttention's shapes (B*N=16384, H*d=2048), fp16, N=4096, against SDPA's FLASH_ATTENTION
+//   kernel  what it adds                                           GPUs    speed
+//   fp32    FA-2 Algorithms 1 and 2 on CUDA cores: a thread block  sm_70+  fwd 1.39x / 1.54x manual,
+//           per query block (forward) or key block (backward), each         fwd+bwd 1.01x / 1.10x manual
+//           thread owning an 8 x 4 tile of S_ij; dQ by atomics              (35 TFLOP/s fwd; = SDPA-efficient)
+//   ampere  tensor cores: mma.m16n8k16 (fp16/bf16 in, fp32 sums),  sm_80+  fwd 0.81x (d=64), 0.66x (d=128),
+//           ldmatrix, cp.async double buffering, Q_i and P_ij in            fwd+bwd 0.51x / 0.50x SDPA-flash
+//           registers; backward on transposed products, dQ by atomics       (246 / 220 TFLOP/s fwd)
 //
 // Every kernel sits behind one interface (bottom of this file): forward(kernel, Q, K, V, causal, scale)
 // returns O and L; backward(kernel, Q, K, V, O, L, dO, causal, scale) returns dQ, dK, dV. Tensors are
@@ -168,6 +173,10 @@ flash_fwd_fp32(const float* __restrict__ Q, const float* __restrict__ K, const f
 
 // ------------------------------------------------------------------------------------------------------
 // D_i = rowsum(dO_i o O_i) (Algorithm 2, l.5), computed before the backward kernel. One warp per row.
+__device__ float to_float(float x) { return x; }
+__device__ float to_float(__half x) { return __half2float(x); }
+__device__ float to_float(__nv_bfloat16 x) { return __bfloat162float(x); }
+
 template <typename T>
 __global__ void flash_bwd_preprocess(const T* __restrict__ O, const T* __restrict__ dO,
                                      float* __restrict__ D, size_t rows, int d) {
@@ -175,7 +184,7 @@ __global__ void flash_bwd_preprocess(const T* __restrict__ O, const T* __restric
   const int lane = threadIdx.x % 32;
   if (row >= rows) return;  // whole warps leave together: the shuffles below stay full-warp
   float acc = 0.f;
-  for (int x = lane; x < d; x += 32) acc += static_cast<float>(O[row * d + x]) * static_cast<float>(dO[row * d + x]);
+  for (int x = lane; x < d; x += 32) acc += to_float(O[row * d + x]) * to_float(dO[row * d + x]);
   for (int off = 16; off > 0; off /= 2) acc += __shfl_xor_sync(~0u, acc, off);
   if (lane == 0) D[row] = acc;
 }
@@ -467,6 +476,137 @@ flash_fwd_ampere(const T* __restrict__ Q, const T* __restrict__ K, const T* __re
 }
 
 // ------------------------------------------------------------------------------------------------------
+// fp16/bf16 backward on tensor cores (sm_80+): FlashAttention-2, Algorithm 2.
+// Grid (T_c, B*H): one block per key block K_j, V_j of one head, looping over query blocks Q_i.
+// Block of NW warps, B_c = 16*NW keys; warp w owns keys 16w .. 16w+15 and so rows of the transposed
+// products below, which keep dK_j and dV_j in its registers for the whole loop (fragment layout: see
+// the tensor-core building blocks above; nt: 8-column tile, kk: 16-wide k slice):
+//   S_ij^T  (16, B_r) = K_j Q_i^T        dP_ij^T (16, B_r) = V_j dO_i^T
+//   dV_j    (16, d)  += P_ij^T dO_i       dK_j    (16, d)  += dS_ij^T Q_i
+// Working with transposes lets P_ij^T and dS_ij^T go from accumulators straight into the next product.
+// dQ_i = dS_ij K_j sums over all the block's keys, i.e. over warps: dS_ij^T goes through shared memory,
+// each warp computes one (16, d/CW) piece of dQ_i and adds it into an fp32 dQ with atomics (see the fp32
+// backward for why atomics); main.py converts dQ to the input dtype at the end.
+template <typename T, int d, int B_r, int NW>
+__global__ void __launch_bounds__(NW * 32)
+flash_bwd_ampere(const T* __restrict__ Q, const T* __restrict__ K, const T* __restrict__ V,
+                 const T* __restrict__ dO, const float* __restrict__ L, const float* __restrict__ D,
+                 float* __restrict__ dQ, T* __restrict__ dK, T* __restrict__ dV, int N, float scale, bool causal) {
+  constexpr int B_c = 16 * NW, ld = d + 8, ldS = B_r + 8;
+  constexpr int MT = B_r / 16, CW = NW / MT;  // dQ_i: MT row tiles x CW column groups, one per warp
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  T* K_s = reinterpret_cast<T*>(smem_raw);  // K_j               (B_c, d)      row stride ld
+  T* V_s = K_s + B_c * ld;                  // V_j               (B_c, d)      row stride ld
+  T* Q_s = V_s + B_c * ld;                  // Q_i, 2 stages     (2, B_r, d)   row stride ld
+  T* dO_s = Q_s + 2 * B_r * ld;             // dO_i, 2 stages    (2, B_r, d)   row stride ld
+  T* dS_s = dO_s + 2 * B_r * ld;            // dS_ij^T           (B_c, B_r)    row stride ldS
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
+  const int j = blockIdx.x, col0 = j * B_c;
+  const size_t head = (size_t)blockIdx.y * N * d;
+  Q += head; K += head; V += head; dO += head; dQ += head; dK += head; dV += head;
+  L += (size_t)blockIdx.y * N; D += (size_t)blockIdx.y * N;
+  const float scale_log2 = scale * LOG2E;
+  const int T_r = (N + B_r - 1) / B_r, i_start = causal ? col0 / B_r : 0;  // causal: skip blocks above
+  const T* K_w = K_s + 16 * warp * ld;  // this warp's 16 keys
+  const T* V_w = V_s + 16 * warp * ld;
+
+  cp_async_tile<B_c, d, NW * 32>(K_s, K, col0, N);                         // l.7: load K_j, V_j
+  cp_async_tile<B_c, d, NW * 32>(V_s, V, col0, N);
+  cp_async_tile<B_r, d, NW * 32>(Q_s, Q, i_start * B_r, N);                // l.10 for the first i
+  cp_async_tile<B_r, d, NW * 32>(dO_s, dO, i_start * B_r, N);
+  cp_async_commit();
+  float dK_j[d / 8][4] = {}, dV_j[d / 8][4] = {};                          // l.8: dK_j = dV_j = 0
+
+  for (int i = i_start; i < T_r; i++) {                                     // l.9
+    const int row0 = i * B_r, stage = (i - i_start) % 2;
+    const T* Q_i = Q_s + stage * B_r * ld;
+    const T* dO_i = dO_s + stage * B_r * ld;
+    if (i + 1 < T_r) {  // l.10 for block i+1, into the other stage (freed by the barrier ending i-1)
+      cp_async_tile<B_r, d, NW * 32>(Q_s + (1 - stage) * B_r * ld, Q, row0 + B_r, N);
+      cp_async_tile<B_r, d, NW * 32>(dO_s + (1 - stage) * B_r * ld, dO, row0 + B_r, N);
+    }
+    cp_async_commit();
+    cp_async_wait<1>();  // all but the newest group have landed: Q_i, dO_i (and K_j, V_j)
+    __syncthreads();     // ... for every thread's copies
+
+    float S[B_r / 8][4] = {}, dP[B_r / 8][4] = {};
+    for (int kk = 0; kk < d / 16; kk++) {
+      uint32_t K_frag[4], V_frag[4];  // A fragments: this warp's 16 keys, dims 16kk .. 16kk+15
+      ldmatrix_x4(K_frag, &K_w[(lane % 16) * ld + 16 * kk + 8 * (lane / 16)]);
+      ldmatrix_x4(V_frag, &V_w[(lane % 16) * ld + 16 * kk + 8 * (lane / 16)]);
+      for (int nt = 0; nt < B_r / 8; nt += 2) {  // B fragments: queries 8nt .. 8nt+15 (as K_j in the forward)
+        uint32_t q[4], o[4];
+        ldmatrix_x4(q, &Q_i[(8 * nt + lane % 8 + 8 * (lane / 16)) * ld + 16 * kk + 8 * (lane / 8 % 2)]);
+        ldmatrix_x4(o, &dO_i[(8 * nt + lane % 8 + 8 * (lane / 16)) * ld + 16 * kk + 8 * (lane / 8 % 2)]);
+        TC<T>::mma(S[nt], K_frag, q[0], q[1]), TC<T>::mma(S[nt + 1], K_frag, q[2], q[3]);     // l.11: S_ij^T
+        TC<T>::mma(dP[nt], V_frag, o[0], o[1]), TC<T>::mma(dP[nt + 1], V_frag, o[2], o[3]);  // l.14: dP_ij^T
+      }
+    }
+    const bool edge = (causal && row0 < col0 + B_c) || row0 + B_r > N || col0 + B_c > N;
+    for (int nt = 0; nt < B_r / 8; nt++)
+      for (int e = 0; e < 4; e++) {  // entry (key c, query r) of P^T and dS^T
+        const int c = col0 + 16 * warp + g + 8 * (e / 2), r = row0 + 8 * nt + 2 * t + e % 2;
+        const bool seen = !edge || (r < N && c < N && !(causal && c > r));
+        const float L_r = r < N ? L[r] : 0.f, D_r = r < N ? D[r] : 0.f;
+        S[nt][e] = seen ? exp2f(S[nt][e] * scale_log2 - L_r * LOG2E) : 0.f;  // l.12: P_ij = exp(S_ij - L_i)
+        dP[nt][e] = S[nt][e] * (dP[nt][e] - D_r);                             // l.15: dS_ij = P o (dP - D_i)
+      }
+    for (int kk = 0; kk < B_r / 16; kk++) {  // l.13: dV_j += P_ij^T dO_i;  l.17: dK_j += dS_ij^T Q_i
+      const uint32_t P_frag[4] = {TC<T>::pack(S[2 * kk][0], S[2 * kk][1]), TC<T>::pack(S[2 * kk][2], S[2 * kk][3]),
+                                  TC<T>::pack(S[2 * kk + 1][0], S[2 * kk + 1][1]),
+                                  TC<T>::pack(S[2 * kk + 1][2], S[2 * kk + 1][3])};
+      const uint32_t dS_frag[4] = {TC<T>::pack(dP[2 * kk][0], dP[2 * kk][1]), TC<T>::pack(dP[2 * kk][2], dP[2 * kk][3]),
+                                   TC<T>::pack(dP[2 * kk + 1][0], dP[2 * kk + 1][1]),
+                                   TC<T>::pack(dP[2 * kk + 1][2], dP[2 * kk + 1][3])};
+      for (int h = 0; h < 2; h++) {  // dS_ij^T into shared memory for dQ_i: rows g and g+8 of this warp
+        const int c = 16 * warp + g + 8 * h;
+        *reinterpret_cast<uint32_t*>(&dS_s[c * ldS + 16 * kk + 2 * t]) = dS_frag[h];
+        *reinterpret_cast<uint32_t*>(&dS_s[c * ldS + 16 * kk + 8 + 2 * t]) = dS_frag[2 + h];
+      }
+      for (int nt = 0; nt < d / 8; nt += 2) {  // B fragments: queries 16kk.., dims 8nt.. (as V_j in the forward)
+        uint32_t o[4], q[4];
+        ldmatrix_x4_trans(o, &dO_i[(16 * kk + lane % 8 + 8 * (lane / 8 % 2)) * ld + 8 * nt + 8 * (lane / 16)]);
+        ldmatrix_x4_trans(q, &Q_i[(16 * kk + lane % 8 + 8 * (lane / 8 % 2)) * ld + 8 * nt + 8 * (lane / 16)]);
+        TC<T>::mma(dV_j[nt], P_frag, o[0], o[1]), TC<T>::mma(dV_j[nt + 1], P_frag, o[2], o[3]);
+        TC<T>::mma(dK_j[nt], dS_frag, q[0], q[1]), TC<T>::mma(dK_j[nt + 1], dS_frag, q[2], q[3]);
+      }
+    }
+    __syncthreads();  // all of dS_ij^T is in shared memory: dQ_i needs every warp's keys
+
+    // l.16: dQ_i += dS_ij K_j. Warp w: queries 16*(w % MT) .. +15, dims (w / MT) * d/CW .. + d/CW.
+    const int m0 = 16 * (warp % MT), n0 = (warp / MT) * (d / CW);
+    float dQ_i[d / CW / 8][4] = {};
+    for (int kk = 0; kk < B_c / 16; kk++) {
+      // A fragment of dS_ij (queries m0.., keys 16kk..) read transposed from dS_ij^T: lane l points at
+      // key 16kk + l%8 + 8*(l/16), query m0 + 8*((l/8)%2)
+      uint32_t a[4];
+      ldmatrix_x4_trans(a, &dS_s[(16 * kk + lane % 8 + 8 * (lane / 16)) * ldS + m0 + 8 * (lane / 8 % 2)]);
+      for (int nt = 0; nt < d / CW / 8; nt += 2) {  // B fragments of K_j: keys 16kk.., dims n0 + 8nt..
+        uint32_t b[4];
+        ldmatrix_x4_trans(b, &K_s[(16 * kk + lane % 8 + 8 * (lane / 8 % 2)) * ld + n0 + 8 * nt + 8 * (lane / 16)]);
+        TC<T>::mma(dQ_i[nt], a, b[0], b[1]), TC<T>::mma(dQ_i[nt + 1], a, b[2], b[3]);
+      }
+    }
+    for (int h = 0; h < 2; h++) {
+      const int r = row0 + m0 + g + 8 * h;
+      if (r < N)
+        for (int nt = 0; nt < d / CW / 8; nt++)
+          for (int e = 0; e < 2; e++) atomicAdd(&dQ[(size_t)r * d + n0 + 8 * nt + 2 * t + e], scale * dQ_i[nt][2 * h + e]);
+    }
+    __syncthreads();  // every warp is done with Q_s, dO_s stage and dS_s before the next block refills them
+  }
+  for (int h = 0; h < 2; h++) {                                             // l.19: write dK_j, dV_j
+    const int c = col0 + 16 * warp + g + 8 * h;
+    if (c >= N) continue;
+    for (int nt = 0; nt < d / 8; nt++) {
+      *reinterpret_cast<uint32_t*>(&dK[(size_t)c * d + 8 * nt + 2 * t]) =
+          TC<T>::pack(scale * dK_j[nt][2 * h], scale * dK_j[nt][2 * h + 1]);
+      *reinterpret_cast<uint32_t*>(&dV[(size_t)c * d + 8 * nt + 2 * t]) = TC<T>::pack(dV_j[nt][2 * h], dV_j[nt][2 * h + 1]);
+    }
+  }
+}
+
+// ------------------------------------------------------------------------------------------------------
 // Host side: one launcher per kernel, one dispatcher for all of them.
 #define CUDA_CHECK(call)                                                                     \
   do {                                                                                       \
@@ -511,13 +651,35 @@ void bwd_fp32(const torch::Tensor& Q, const torch::Tensor& K, const torch::Tenso
 template <typename T, int d>
 void fwd_ampere(const torch::Tensor& Q, const torch::Tensor& K, const torch::Tensor& V, torch::Tensor& O,
                 torch::Tensor& L, bool causal, float scale, cudaStream_t stream) {
-  constexpr int NW = 4, B_r = 16 * NW, B_c = 64;
+  constexpr int NW = d == 64 ? 8 : 4, B_r = 16 * NW, B_c = 64;  // d = 64: 8 warps share each K_j, V_j (8% faster)
   const int N = Q.size(2), BH = Q.size(0) * Q.size(1);
   const size_t smem = sizeof(T) * (B_r + 4 * B_c) * (d + 8);
   launch(flash_fwd_ampere<T, d, NW>, dim3((N + B_r - 1) / B_r, BH), NW * 32, smem, stream,
          reinterpret_cast<const T*>(Q.data_ptr()), reinterpret_cast<const T*>(K.data_ptr()),
          reinterpret_cast<const T*>(V.data_ptr()), reinterpret_cast<T*>(O.data_ptr()), L.data_ptr<float>(), N,
          scale * LOG2E, causal);
+}
+
+template <typename T, int d>
+void bwd_ampere(const torch::Tensor& Q, const torch::Tensor& K, const torch::Tensor& V, const torch::Tensor& dO,
+                const torch::Tensor& L, const torch::Tensor& D, torch::Tensor& dQ, torch::Tensor& dK,
+                torch::Tensor& dV, bool causal, float scale, cudaStream_t stream) {
+  constexpr int NW = 4, B_c = 16 * NW, B_r = d == 128 ? 32 : 64;  // d = 128: fewer queries, fewer registers
+  const int N = Q.size(2), BH = Q.size(0) * Q.size(1);
+  const size_t smem = sizeof(T) * ((2 * B_c + 4 * B_r) * (d + 8) + B_c * (B_r + 8));
+  auto ptr = [](const torch::Tensor& x) { return reinterpret_cast<T*>(x.data_ptr()); };
+  launch(flash_bwd_ampere<T, d, B_r, NW>, dim3((N + B_c - 1) / B_c, BH), NW * 32, smem, stream, ptr(Q), ptr(K),
+         ptr(V), ptr(dO), L.data_ptr<float>(), D.data_ptr<float>(), dQ.data_ptr<float>(), ptr(dK), ptr(dV), N,
+         scale, causal);
+}
+
+// D = rowsum(dO o O) for every row of every head: 8 rows (one per warp) per block of 256 threads.
+template <typename T>
+void launch_preprocess(const torch::Tensor& O, const torch::Tensor& dO, torch::Tensor& D, cudaStream_t stream) {
+  const int d = O.size(3);
+  const size_t rows = O.numel() / d;
+  launch(flash_bwd_preprocess<T>, dim3((rows + 7) / 8), 256, 0, stream, reinterpret_cast<const T*>(O.data_ptr()),
+         reinterpret_cast<const T*>(dO.data_ptr()), D.data_ptr<float>(), rows, d);
 }
 
 // Calls f.template operator()<d>() for the run-time head dim d: each d is its own compiled kernel.
@@ -560,14 +722,24 @@ std::vector<torch::Tensor> backward(const std::string& kernel, const torch::Tens
                                     const torch::Tensor& dO, bool causal, double scale, int64_t stream_ptr) {
   const auto stream = reinterpret_cast<cudaStream_t>(stream_ptr);
   const int d = Q.size(3);
-  const size_t rows = Q.numel() / d;
   auto D = torch::empty_like(L);                                        // (B, H, N) fp32
   auto dQ = torch::zeros_like(Q, Q.options().dtype(torch::kFloat32));   // (B, H, N, d) fp32: atomics add into it
   auto dK = torch::empty_like(K), dV = torch::empty_like(V);            // (B, H, N, d)
   if (kernel == "fp32") {
-    launch(flash_bwd_preprocess<float>, dim3((rows + 7) / 8), 256, 0, stream, O.data_ptr<float>(),
-           dO.data_ptr<float>(), D.data_ptr<float>(), rows, d);
+    launch_preprocess<float>(O, dO, D, stream);
     with_head_dim(d, [&]<int d>() { bwd_fp32<d>(Q, K, V, dO, L, D, dQ, dK, dV, causal, scale, stream); });
+  } else if (kernel == "ampere") {
+    const bool half = Q.scalar_type() == torch::kHalf;
+    auto preprocess = half ? launch_preprocess<__half> : launch_preprocess<__nv_bfloat16>;
+    preprocess(O, dO, D, stream);
+    with_head_dim(d, [&]<int d>() {
+      if constexpr (d == 64 || d == 128) {
+        if (half) bwd_ampere<__half, d>(Q, K, V, dO, L, D, dQ, dK, dV, causal, scale, stream);
+        else bwd_ampere<__nv_bfloat16, d>(Q, K, V, dO, L, D, dQ, dK, dV, causal, scale, stream);
+      } else {
+        TORCH_CHECK(false, "kernel 'ampere' takes head dims 64 and 128, got ", d);
+      }
+    });
   } else {
     TORCH_CHECK(false, "unknown kernel '", kernel, "'");
   }

@@ -22,7 +22,7 @@ ROOT = os.path.dirname(os.path.abspath(__file__))
 KERNELS = {
     "fp32": dict(dtypes=("float32",), head_dims=(16, 32, 64, 96, 128), min_arch=70, backward_kernel="fp32",
                  about="FlashAttention-2 on CUDA cores, fp32"),
-    "ampere": dict(dtypes=("float16", "bfloat16"), head_dims=(64, 128), min_arch=80, backward_kernel="fp32",
+    "ampere": dict(dtypes=("float16", "bfloat16"), head_dims=(64, 128), min_arch=80, backward_kernel="ampere",
                    about="FlashAttention-2 on tensor cores: mma.m16n8k16, ldmatrix, cp.async"),
 }
 DTYPES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
