@@ -303,6 +303,13 @@ flash_bwd_fp32(const float* __restrict__ Q, const float* __restrict__ K, const f
 //   D: d0, d1 = D[g][2t, 2t+1]                       d2, d3 = D[g+8][2t, 2t+1]
 // D's layout for two neighbouring 16 x 8 tiles is A's layout for one 16 x 16 tile: that is why P_ij can
 // go from the S_ij accumulators straight into the next product without touching shared memory.
+// This file is also built for sm_75, which has neither this mma shape nor cp.async: there SM80 is 0 and
+// those instructions become a trap. main.py never launches these kernels on GPUs older than sm_80.
+#if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 800
+#define SM80 1
+#else
+#define SM80 0
+#endif
 template <typename T> struct TC;  // per input type: how two floats become one 32-bit register, and the mma
 template <> struct TC<__half> {
   static __device__ uint32_t pack(float lo, float hi) {
@@ -311,9 +318,13 @@ template <> struct TC<__half> {
   }
   // for (m, n) in 16 x 8: d[m][n] += sum_k a[m][k] * b[k][n], k < 16, fp16 inputs, fp32 sums
   static __device__ void mma(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+#if SM80
     asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
                  : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
                  : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+#else
+    __trap();
+#endif
   }
 };
 template <> struct TC<__nv_bfloat16> {
@@ -323,9 +334,13 @@ template <> struct TC<__nv_bfloat16> {
   }
   // the same product with bf16 inputs
   static __device__ void mma(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+#if SM80
     asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
                  : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
                  : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+#else
+    __trap();
+#endif
   }
 };
 
@@ -349,12 +364,24 @@ __device__ void ldmatrix_x4_trans(uint32_t (&r)[4], const void* row) {
 // With src_bytes = 0 nothing is read and the 16 bytes are zero-filled (rows past N). Copies issued since
 // the last commit form a group; wait_group<n> blocks until at most n groups are still in flight.
 __device__ void cp_async_16(void* dst, const void* src, bool in_bounds) {
+#if SM80
   const uint32_t addr = __cvta_generic_to_shared(dst);
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(addr), "l"(src), "r"(in_bounds ? 16 : 0));
+#else
+  __trap();
+#endif
 }
-__device__ void cp_async_commit() { asm volatile("cp.async.commit_group;"); }
+__device__ void cp_async_commit() {
+#if SM80
+  asm volatile("cp.async.commit_group;");
+#endif
+}
 template <int n>
-__device__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;" ::"n"(n)); }
+__device__ void cp_async_wait() {
+#if SM80
+  asm volatile("cp.async.wait_group %0;" ::"n"(n));
+#endif
+}
 
 // Starts copying a (rows, d) tile of 16-bit values into shared memory with row stride d + 8: the 16 bytes
 // of padding shift consecutive rows by 4 banks, so the 8 rows an ldmatrix reads fall in 8 different
