@@ -649,8 +649,8 @@ void launch(Kernel kernel, dim3 grid, int threads, size_t smem, cudaStream_t str
   CUDA_CHECK(cudaGetLastError());
 }
 
-// Block sizes: B_r = B_c = 64 lets three forward blocks (two backward) share an SM; for d > 64 the key
-// block (and the backward's query block) is halved so that shared memory still fits that many.
+// Block sizes: with B_r = B_c = 64, four forward blocks (two backward) share an SM of sm_80+; for d > 64
+// the key block (and the backward's query block) is halved so that three (two) still fit.
 template <int d>
 void fwd_fp32(const torch::Tensor& Q, const torch::Tensor& K, const torch::Tensor& V, torch::Tensor& O,
               torch::Tensor& L, bool causal, float scale, cudaStream_t stream) {

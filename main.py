@@ -10,6 +10,7 @@ import math
 import os
 import sys
 import time
+import warnings
 
 import torch
 
@@ -213,6 +214,8 @@ def _check_gpu():
     print(f"GPU: {torch.cuda.get_device_name()} (sm_{_arch()}), torch {torch.__version__}, CUDA {torch.version.cuda}")
     load()
     torch.backends.cuda.matmul.allow_tf32 = False
+    # PyTorch warns when autograd's own thread makes the first cuBLAS call; it sets the context itself.
+    warnings.filterwarnings("ignore", message="Attempting to run cuBLAS, but there was no current CUDA context")
     tolerance = {"float32": 1e-4, "float16": 1e-2, "bfloat16": 4e-2}
     print(f"{'kernel':<8} {'dtype':<9} {'err O':>8} {'err dQ':>8} {'err dK':>8} {'err dV':>8} "
           f"{'fwd ms':>7} {'vs manual':>9}")
