@@ -649,26 +649,41 @@ void launch(Kernel kernel, dim3 grid, int threads, size_t smem, cudaStream_t str
   CUDA_CHECK(cudaGetLastError());
 }
 
+// The most shared memory one block may have on this GPU: 227 KB on sm_90, 163 KB on sm_80, 99 KB on sm_86
+// and sm_89, 96 KB on sm_70, 64 KB on sm_75.
+size_t max_smem_per_block() {
+  int device, bytes;
+  CUDA_CHECK(cudaGetDevice(&device));
+  CUDA_CHECK(cudaDeviceGetAttribute(&bytes, cudaDevAttrMaxSharedMemoryPerBlockOptin, device));
+  return bytes;
+}
+
 // Block sizes: with B_r = B_c = 64, four forward blocks (two backward) share an SM of sm_80+; for d > 64
-// the key block (and the backward's query block) is halved so that three (two) still fit.
-template <int d>
+// the key block (and the backward's query block) is halved so that three (two) still fit. On a GPU whose
+// blocks get less shared memory than that (see above), B_r is halved until the tiles fit.
+template <int d, int B_r = 64>
 void fwd_fp32(const torch::Tensor& Q, const torch::Tensor& K, const torch::Tensor& V, torch::Tensor& O,
               torch::Tensor& L, bool causal, float scale, cudaStream_t stream) {
-  constexpr int B_r = 64, B_c = d <= 64 ? 64 : 32;
+  constexpr int B_c = d <= 64 ? 64 : 32;
   const int N = Q.size(2), BH = Q.size(0) * Q.size(1);
   const size_t smem = sizeof(float) * (B_r * (d + 4) + B_c * std::max(d + 4, B_r + 4) + B_c * d);
+  if constexpr (B_r > 32)  // (each thread needs a multiple of 4 rows: B_r >= 32)
+    if (smem > max_smem_per_block()) return fwd_fp32<d, B_r / 2>(Q, K, V, O, L, causal, scale, stream);
   launch(flash_fwd_fp32<d, B_r, B_c>, dim3((N + B_r - 1) / B_r, BH), 128, smem, stream,
          Q.data_ptr<float>(), K.data_ptr<float>(), V.data_ptr<float>(), O.data_ptr<float>(),
          L.data_ptr<float>(), N, scale * LOG2E, causal);
 }
 
-template <int d>
+template <int d, int B_r = (d <= 64 ? 64 : 32)>
 void bwd_fp32(const torch::Tensor& Q, const torch::Tensor& K, const torch::Tensor& V, const torch::Tensor& dO,
               const torch::Tensor& L, const torch::Tensor& D, torch::Tensor& dQ, torch::Tensor& dK,
               torch::Tensor& dV, bool causal, float scale, cudaStream_t stream) {
-  constexpr int B_r = d <= 64 ? 64 : 32, B_c = d <= 64 ? 64 : 32;
+  constexpr int B_c = d <= 64 ? 64 : 32;
   const int N = Q.size(2), BH = Q.size(0) * Q.size(1);
   const size_t smem = sizeof(float) * (2 * (B_r + B_c) * (d + 4) + 2 * B_r * (B_c + 4));
+  if constexpr (B_r > 16)
+    if (smem > max_smem_per_block())
+      return bwd_fp32<d, B_r / 2>(Q, K, V, dO, L, D, dQ, dK, dV, causal, scale, stream);
   launch(flash_bwd_fp32<d, B_r, B_c>, dim3((N + B_c - 1) / B_c, BH), 128, smem, stream,
          Q.data_ptr<float>(), K.data_ptr<float>(), V.data_ptr<float>(), dO.data_ptr<float>(),
          L.data_ptr<float>(), D.data_ptr<float>(), dQ.data_ptr<float>(), dK.data_ptr<float>(),
