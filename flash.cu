@@ -658,8 +658,9 @@ size_t max_smem_per_block() {
   return bytes;
 }
 
-// Block sizes: with B_r = B_c = 64, four forward blocks (two backward) share an SM of sm_80+; for d > 64
-// the key block (and the backward's query block) is halved so that three (two) still fit. On a GPU whose
+// Block sizes: with B_r = B_c = 64, four forward blocks (two backward) share an SM of an H100 (three and
+// one on an A100); for d > 64 the key block (and the backward's query block) is halved so that three (two)
+// still fit on an H100. On a GPU whose
 // blocks get less shared memory than that (see above), B_r is halved until the tiles fit.
 template <int d, int B_r = 64>
 void fwd_fp32(const torch::Tensor& Q, const torch::Tensor& K, const torch::Tensor& V, torch::Tensor& O,
