@@ -641,6 +641,10 @@ flash_bwd_ampere(const T* __restrict__ Q, const T* __restrict__ K, const T* __re
     TORCH_CHECK(err_ == cudaSuccess, "CUDA error: ", cudaGetErrorString(err_), " at " #call); \
   } while (0)
 
+// A tensor's data as T* (T = float, __half or __nv_bfloat16; main.py has checked the dtype).
+template <typename T>
+T* ptr(const torch::Tensor& x) { return reinterpret_cast<T*>(x.data_ptr()); }
+
 // Kernels that need more than 48 KB of shared memory must ask for it before their first launch.
 template <typename Kernel>
 void launch(Kernel kernel, dim3 grid, int threads, size_t smem, cudaStream_t stream, auto... args) {
@@ -697,10 +701,8 @@ void fwd_ampere(const torch::Tensor& Q, const torch::Tensor& K, const torch::Ten
   constexpr int NW = d == 64 ? 8 : 4, B_r = 16 * NW, B_c = 64;  // d = 64: 8 warps share each K_j, V_j (8% faster)
   const int N = Q.size(2), BH = Q.size(0) * Q.size(1);
   const size_t smem = sizeof(T) * (B_r + 4 * B_c) * (d + 8);
-  launch(flash_fwd_ampere<T, d, NW>, dim3((N + B_r - 1) / B_r, BH), NW * 32, smem, stream,
-         reinterpret_cast<const T*>(Q.data_ptr()), reinterpret_cast<const T*>(K.data_ptr()),
-         reinterpret_cast<const T*>(V.data_ptr()), reinterpret_cast<T*>(O.data_ptr()), L.data_ptr<float>(), N,
-         scale * LOG2E, causal);
+  launch(flash_fwd_ampere<T, d, NW>, dim3((N + B_r - 1) / B_r, BH), NW * 32, smem, stream, ptr<T>(Q), ptr<T>(K),
+         ptr<T>(V), ptr<T>(O), ptr<float>(L), N, scale * LOG2E, causal);
 }
 
 template <typename T, int d>
@@ -710,10 +712,9 @@ void bwd_ampere(const torch::Tensor& Q, const torch::Tensor& K, const torch::Ten
   constexpr int NW = 4, B_c = 16 * NW, B_r = d == 128 ? 32 : 64;  // d = 128: fewer queries, fewer registers
   const int N = Q.size(2), BH = Q.size(0) * Q.size(1);
   const size_t smem = sizeof(T) * ((2 * B_c + 4 * B_r) * (d + 8) + B_c * (B_r + 8));
-  auto ptr = [](const torch::Tensor& x) { return reinterpret_cast<T*>(x.data_ptr()); };
-  launch(flash_bwd_ampere<T, d, B_r, NW>, dim3((N + B_c - 1) / B_c, BH), NW * 32, smem, stream, ptr(Q), ptr(K),
-         ptr(V), ptr(dO), L.data_ptr<float>(), D.data_ptr<float>(), dQ.data_ptr<float>(), ptr(dK), ptr(dV), N,
-         scale, causal);
+  launch(flash_bwd_ampere<T, d, B_r, NW>, dim3((N + B_c - 1) / B_c, BH), NW * 32, smem, stream, ptr<T>(Q),
+         ptr<T>(K), ptr<T>(V), ptr<T>(dO), ptr<float>(L), ptr<float>(D), ptr<float>(dQ), ptr<T>(dK), ptr<T>(dV),
+         N, scale, causal);
 }
 
 // D = rowsum(dO o O) for every row of every head: 8 rows (one per warp) per block of 256 threads.
@@ -721,8 +722,8 @@ template <typename T>
 void launch_preprocess(const torch::Tensor& O, const torch::Tensor& dO, torch::Tensor& D, cudaStream_t stream) {
   const int d = O.size(3);
   const size_t rows = O.numel() / d;
-  launch(flash_bwd_preprocess<T>, dim3((rows + 7) / 8), 256, 0, stream, reinterpret_cast<const T*>(O.data_ptr()),
-         reinterpret_cast<const T*>(dO.data_ptr()), D.data_ptr<float>(), rows, d);
+  launch(flash_bwd_preprocess<T>, dim3((rows + 7) / 8), 256, 0, stream, ptr<T>(O), ptr<T>(dO), ptr<float>(D),
+         rows, d);
 }
 
 // Calls f.template operator()<d>() for the run-time head dim d: each d is its own compiled kernel.
@@ -738,23 +739,27 @@ void with_head_dim(int d, F f) {
   }
 }
 
+// The same for the tensor-core kernels: f.template operator()<T, d>() with T the 16-bit type of Q
+// (__half or __nv_bfloat16) and d its head dim, 64 or 128.
+template <typename F>
+void with_type_and_head_dim(const torch::Tensor& Q, F f) {
+  const bool half = Q.scalar_type() == torch::kHalf;
+  switch (Q.size(3)) {
+    case 64: return half ? f.template operator()<__half, 64>() : f.template operator()<__nv_bfloat16, 64>();
+    case 128: return half ? f.template operator()<__half, 128>() : f.template operator()<__nv_bfloat16, 128>();
+    default: TORCH_CHECK(false, "kernel 'ampere' takes head dims 64 and 128, got ", Q.size(3));
+  }
+}
+
 std::vector<torch::Tensor> forward(const std::string& kernel, const torch::Tensor& Q, const torch::Tensor& K,
                                    const torch::Tensor& V, bool causal, double scale, int64_t stream_ptr) {
   const auto stream = reinterpret_cast<cudaStream_t>(stream_ptr);
   auto O = torch::empty_like(Q);                                                   // (B, H, N, d)
   auto L = torch::empty({Q.size(0), Q.size(1), Q.size(2)}, Q.options().dtype(torch::kFloat32));  // (B, H, N)
-  const bool half = Q.scalar_type() == torch::kHalf;
   if (kernel == "fp32")
     with_head_dim(Q.size(3), [&]<int d>() { fwd_fp32<d>(Q, K, V, O, L, causal, scale, stream); });
   else if (kernel == "ampere")
-    with_head_dim(Q.size(3), [&]<int d>() {
-      if constexpr (d == 64 || d == 128) {
-        if (half) fwd_ampere<__half, d>(Q, K, V, O, L, causal, scale, stream);
-        else fwd_ampere<__nv_bfloat16, d>(Q, K, V, O, L, causal, scale, stream);
-      } else {
-        TORCH_CHECK(false, "kernel 'ampere' takes head dims 64 and 128, got ", d);
-      }
-    });
+    with_type_and_head_dim(Q, [&]<typename T, int d>() { fwd_ampere<T, d>(Q, K, V, O, L, causal, scale, stream); });
   else
     TORCH_CHECK(false, "unknown kernel '", kernel, "'");
   return {O, L};
@@ -772,16 +777,9 @@ std::vector<torch::Tensor> backward(const std::string& kernel, const torch::Tens
     launch_preprocess<float>(O, dO, D, stream);
     with_head_dim(d, [&]<int d>() { bwd_fp32<d>(Q, K, V, dO, L, D, dQ, dK, dV, causal, scale, stream); });
   } else if (kernel == "ampere") {
-    const bool half = Q.scalar_type() == torch::kHalf;
-    auto preprocess = half ? launch_preprocess<__half> : launch_preprocess<__nv_bfloat16>;
-    preprocess(O, dO, D, stream);
-    with_head_dim(d, [&]<int d>() {
-      if constexpr (d == 64 || d == 128) {
-        if (half) bwd_ampere<__half, d>(Q, K, V, dO, L, D, dQ, dK, dV, causal, scale, stream);
-        else bwd_ampere<__nv_bfloat16, d>(Q, K, V, dO, L, D, dQ, dK, dV, causal, scale, stream);
-      } else {
-        TORCH_CHECK(false, "kernel 'ampere' takes head dims 64 and 128, got ", d);
-      }
+    with_type_and_head_dim(Q, [&]<typename T, int d>() {
+      launch_preprocess<T>(O, dO, D, stream);
+      bwd_ampere<T, d>(Q, K, V, dO, L, D, dQ, dK, dV, causal, scale, stream);
     });
   } else {
     TORCH_CHECK(false, "unknown kernel '", kernel, "'");

@@ -151,7 +151,7 @@ class FlashAttention(torch.autograd.Function):
             return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v), None, None, None
         kernel, dtype = KERNELS[ctx.kernel]["backward_kernel"], q.dtype
         tensors = (q, k, v, o, L, _prepare(do))
-        if dtype not in [getattr(torch, name) for name in KERNELS[kernel]["dtypes"]]:
+        if DTYPES[dtype] not in KERNELS[kernel]["dtypes"]:
             tensors = [t.float() for t in tensors]  # the fallback: the fp32 backward on upcast inputs
         with torch.cuda.device(q.device):
             grads = load().backward(kernel, *tensors, ctx.causal, ctx.scale, torch.cuda.current_stream().cuda_stream)
