@@ -22,24 +22,28 @@
 //   D_i = rowsum(dO_i o O_i);  dS_ij = P_ij o (dP_ij - D_i)
 // The softmax runs in base 2: scores are multiplied by scale * log2(e) once, so exp becomes exp2 (one
 // MUFU.EX2 instruction) and m_i is kept in those units; L is converted back to natural log on output.
+#ifndef __CUDACC_RTC__  // NVRTC compiles the kernels alone (.ci/check_sm70.py: the sm_70 build)
 #include <torch/extension.h>
+#include <cuda_runtime.h>
+#endif
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
-#include <cuda_runtime.h>
+#include <cstdint>
 
 constexpr float LOG2E = 1.4426950408889634f;  // log2(e): exp(x) = exp2(x * LOG2E)
 constexpr float LN2 = 0.6931471805599453f;     // ln(2):   log(x) = log2(x) * LN2
 
 // Copies a (rows, d) tile of a row-major global matrix into shared memory with row stride ld, filling rows
 // at or past N with zeros, so ragged last blocks compute on zeros instead of reading out of bounds.
-// float4 accesses: consecutive threads take consecutive 16-byte pieces of a row (coalesced).
-template <int rows, int d, int n_threads>
-__device__ void load_tile(float* dst, int ld, const float* src, int row0, int N) {
-  for (int idx = threadIdx.x; idx < rows * d / 4; idx += n_threads) {
-    int r = idx / (d / 4), c = 4 * (idx % (d / 4));
-    float4 x = make_float4(0.f, 0.f, 0.f, 0.f);
-    if (row0 + r < N) x = *reinterpret_cast<const float4*>(&src[(size_t)(row0 + r) * d + c]);
-    *reinterpret_cast<float4*>(&dst[r * ld + c]) = x;
+// 16-byte accesses (4 floats or 8 halves): consecutive threads take consecutive pieces of a row (coalesced).
+template <int rows, int d, int n_threads, typename T>
+__device__ void load_tile(T* dst, int ld, const T* src, int row0, int N) {
+  constexpr int v = 16 / sizeof(T);  // elements per 16-byte piece
+  for (int idx = threadIdx.x; idx < rows * d / v; idx += n_threads) {
+    const int r = idx / (d / v), c = v * (idx % (d / v));
+    uint4 x = make_uint4(0, 0, 0, 0);
+    if (row0 + r < N) x = *reinterpret_cast<const uint4*>(&src[(size_t)(row0 + r) * d + c]);
+    *reinterpret_cast<uint4*>(&dst[r * ld + c]) = x;
   }
 }
 
@@ -294,70 +298,359 @@ flash_bwd_fp32(const float* __restrict__ Q, const float* __restrict__ K, const f
 }
 
 // ------------------------------------------------------------------------------------------------------
-// Tensor-core building blocks (sm_80+: mma.m16n8k16 with fp16/bf16 inputs, ldmatrix, cp.async).
-// In a warp, lane = 4*g + t (g = lane / 4 in 0..7, t = lane % 4 in 0..3). The fragments of one
-//   D (16 x 8, fp32) += A (16 x 16, row-major) * B (16 x 8, column-major)
-// are spread over the warp like this (each register of A and B holds two 16-bit values):
-//   A: a0 = A[g][2t, 2t+1]   a1 = A[g+8][2t, 2t+1]   a2 = A[g][2t+8, 2t+9]   a3 = A[g+8][2t+8, 2t+9]
-//   B: b0 = B[2t, 2t+1][g]   b1 = B[2t+8, 2t+9][g]
-//   D: d0, d1 = D[g][2t, 2t+1]                       d2, d3 = D[g+8][2t, 2t+1]
-// D's layout for two neighbouring 16 x 8 tiles is A's layout for one 16 x 16 tile: that is why P_ij can
-// go from the S_ij accumulators straight into the next product without touching shared memory.
-// This file is also built for sm_75, which has neither this mma shape nor cp.async: there SM80 is 0 and
-// those instructions become a trap. main.py never launches these kernels on GPUs older than sm_80.
-#if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 800
-#define SM80 1
+// Tensor cores, one generation at a time: Volta (mma.m8n8k4), Turing (mma.m16n8k8 + ldmatrix), Ampere
+// (mma.m16n8k16 + ldmatrix + cp.async). Each section gives the instruction's fragment layout (PTX ISA,
+// "Matrix Fragments for mma.m8n8k4 / m16n8k8 / m16n8k16"), its helpers and its kernel. The file is built
+// for several targets at once; an instruction a target lacks is compiled out there (SM75, SM80) and
+// replaced by a trap, and main.py never launches a kernel on a GPU older than the kernel's min_arch.
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 750
+#define SM75 0
 #else
+#define SM75 1
+#endif
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 800
 #define SM80 0
-#endif
-template <typename T> struct TC;  // per input type: how two floats become one 32-bit register, and the mma
-template <> struct TC<__half> {
-  static __device__ uint32_t pack(float lo, float hi) {
-    __half2 h = __floats2half2_rn(lo, hi);
-    return *reinterpret_cast<uint32_t*>(&h);
-  }
-  // for (m, n) in 16 x 8: d[m][n] += sum_k a[m][k] * b[k][n], k < 16, fp16 inputs, fp32 sums
-  static __device__ void mma(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
-#if SM80
-    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
-                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 #else
-    __trap();
+#define SM80 1
 #endif
-  }
-};
-template <> struct TC<__nv_bfloat16> {
-  static __device__ uint32_t pack(float lo, float hi) {
-    __nv_bfloat162 h = __floats2bfloat162_rn(lo, hi);
-    return *reinterpret_cast<uint32_t*>(&h);
-  }
-  // the same product with bf16 inputs
-  static __device__ void mma(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
-#if SM80
-    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
-                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-#else
-    __trap();
-#endif
-  }
-};
 
-// ldmatrix.x4: four 8 x 8 matrices of 16-bit values from shared memory, one per group of 8 lanes.
+// ------------------------------------------------------------------------------------------------------
+// Volta (sm_70): mma.sync.aligned.m8n8k4, fp16 inputs, fp32 sums. A warp is four quad pairs, and each
+// computes its own D (8 x 8) += A (8 x 4) B (4 x 8) with its own operands:
+//
+//   quad pair q       0        1        2        3        lane = 4q + p       (low group,  hi = 0)
+//   low group       0-3      4-7     8-11    12-15        lane = 4q + p + 16  (high group, hi = 1)
+//   high group    16-19    20-23    24-27    28-31        p = lane % 4: position in the group
+//
+// Inside its quad pair, a lane holds
+//   A, .row:  a0..a3 = A[p + 4hi][0..3]        a row of A             (8 bytes of a row-major A)
+//   B, .col:  b0..b3 = B[0..3][p + 4hi]        a column of B          (8 bytes of a row-major B^T)
+//   B, .row:  b0..b3 = B[p][4hi .. 4hi+3]      half a row of B        (8 bytes of a row-major B)
+//   C, D:     c_e = D[(lane&1) + (e&2) + 4hi][(e&4) + (lane&2) + (e&1)],  e < 8
+// so lane 0 holds D[0][0,1,4,5] and D[2][0,1,4,5]. sm_70 has no ldmatrix: operands are plain 8-byte
+// loads. And the accumulator layout is not the A layout: a result cannot feed the next product straight
+// from registers, as it does from Turing on.
+
+// for (m, n) in 8 x 8, in every quad pair: c[m][n] += sum_k a[m][k] * b[k][n], k < 4 (B given by columns)
+__device__ void mma_m8n8k4_row_col(float (&c)[8], uint2 a, uint2 b) {
+  asm volatile("mma.sync.aligned.m8n8k4.row.col.f32.f16.f16.f32 {%0,%1,%2,%3,%4,%5,%6,%7}, {%8,%9}, {%10,%11}, "
+               "{%0,%1,%2,%3,%4,%5,%6,%7};"
+               : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3]), "+f"(c[4]), "+f"(c[5]), "+f"(c[6]), "+f"(c[7])
+               : "r"(a.x), "r"(a.y), "r"(b.x), "r"(b.y));
+}
+// the same product with B given by rows
+__device__ void mma_m8n8k4_row_row(float (&c)[8], uint2 a, uint2 b) {
+  asm volatile("mma.sync.aligned.m8n8k4.row.row.f32.f16.f16.f32 {%0,%1,%2,%3,%4,%5,%6,%7}, {%8,%9}, {%10,%11}, "
+               "{%0,%1,%2,%3,%4,%5,%6,%7};"
+               : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3]), "+f"(c[4]), "+f"(c[5]), "+f"(c[6]), "+f"(c[7])
+               : "r"(a.x), "r"(a.y), "r"(b.x), "r"(b.y));
+}
+
+// fp16 forward on Volta tensor cores (sm_70+): FlashAttention-2, Algorithm 1.
+// Grid (T_r, B*H); NW warps, B_r = 16*NW, B_c = 64; warp w owns rows 16w .. 16w+15 of Q_i, S_ij and O_i.
+// In every mma the four quad pairs tile a 16 x 16 piece of the result: quad pair q = rh + 2ch takes its
+// rows 8rh .. 8rh+7 and columns 8ch .. 8ch+7. Per warp and block j (c: a 16-wide piece):
+//   S_ij (16, B_c)  = Q_i (16, d) K_j^T (d, B_c)    d/4 x B_c/16 mma, S[c][8]
+//   O_i  (16, d)   += P_ij (16, B_c) V_j (B_c, d)   B_c/4 x d/16 mma, O_i[c][8]
+// A lane holds rows r and r+2 of S_ij and O_i (h = (e&2)/2 picks one). P_ij goes through shared memory,
+// one (16, B_c) tile per warp, to get from the accumulator layout to the A layout. Loads are synchronous.
+template <int d, int NW>
+__global__ void __launch_bounds__(NW * 32)
+flash_fwd_volta(const __half* __restrict__ Q, const __half* __restrict__ K, const __half* __restrict__ V,
+                __half* __restrict__ O, float* __restrict__ L, int N, float scale_log2, bool causal) {
+  constexpr int B_r = 16 * NW, B_c = 64, ld = d + 8, ldP = B_c + 4;
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  __half* K_s = reinterpret_cast<__half*>(smem_raw);  // K_j  (B_c, d)  row stride ld
+  __half* V_s = K_s + B_c * ld;                       // V_j  (B_c, d)  row stride ld
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  __half* P_s = V_s + B_c * ld + warp * 16 * ldP;     // this warp's P_ij  (16, B_c)  row stride ldP
+  const int p = lane % 4, rh = lane / 4 % 2, ch = lane / 8 % 2, hi = lane / 16;
+  const int i = gridDim.x - 1 - blockIdx.x, row0 = i * B_r + 16 * warp;  // row0: this warp's first row
+  const size_t head = (size_t)blockIdx.y * N * d;
+  Q += head; K += head; V += head; O += head; L += (size_t)blockIdx.y * N;
+  const int T_c = (N + B_c - 1) / B_c;
+  const int j_end = causal ? min(T_c, (i * B_r + B_r - 1) / B_c + 1) : T_c;
+
+  uint2 Q_frag[d / 4];  // l.5: A fragments of Q_i for k = 4kk .. 4kk+3: this lane's row, read from global
+  const int q_row = row0 + 8 * rh + 4 * hi + p;
+  for (int kk = 0; kk < d / 4; kk++)
+    Q_frag[kk] = q_row < N ? *reinterpret_cast<const uint2*>(&Q[(size_t)q_row * d + 4 * kk]) : make_uint2(0, 0);
+
+  const int r = row0 + 8 * rh + 4 * hi + lane % 2;  // this lane's rows of S_ij and O_i: r and r + 2
+  float O_i[d / 16][8] = {}, m_i[2] = {-INFINITY, -INFINITY}, l_i[2] = {0.f, 0.f};  // l.6
+  for (int j = 0; j < j_end; j++) {                                         // l.7
+    load_tile<B_c, d, NW * 32>(K_s, ld, K, j * B_c, N);                      // l.8
+    load_tile<B_c, d, NW * 32>(V_s, ld, V, j * B_c, N);
+    __syncthreads();  // K_j and V_j are complete for every warp
+
+    float S[B_c / 16][8] = {};                                              // l.9: S_ij = Q_i K_j^T
+    for (int kk = 0; kk < d / 4; kk++)
+      for (int c = 0; c < B_c / 16; c++) {  // B = K_j^T: this lane's column is key 16c + 8ch + 4hi + p
+        const uint2 b = *reinterpret_cast<const uint2*>(&K_s[(16 * c + 8 * ch + 4 * hi + p) * ld + 4 * kk]);
+        mma_m8n8k4_row_col(S[c], Q_frag[kk], b);
+      }
+
+    const bool masked = causal ? (j + 1) * B_c > i * B_r : (j + 1) * B_c > N;  // any masked entry in block?
+    float rowmax[2] = {m_i[0], m_i[1]};                                     // l.10: online softmax
+    for (int c = 0; c < B_c / 16; c++)
+      for (int e = 0; e < 8; e++) {
+        const int key = j * B_c + 16 * c + 8 * ch + (e & 4) + (lane & 2) + (e & 1), h = e / 2 % 2;
+        S[c][e] = (masked && (key >= N || (causal && key > r + 2 * h))) ? -INFINITY : S[c][e] * scale_log2;
+        rowmax[h] = fmaxf(rowmax[h], S[c][e]);
+      }
+    float alpha[2];
+    for (int h = 0; h < 2; h++) {  // a row is spread over lanes lane ^ 2 (columns) and lane ^ 8 (quad pairs)
+      rowmax[h] = fmaxf(rowmax[h], __shfl_xor_sync(~0u, rowmax[h], 2));
+      rowmax[h] = fmaxf(rowmax[h], __shfl_xor_sync(~0u, rowmax[h], 8));
+      alpha[h] = exp2f(m_i[h] - rowmax[h]);  // e^(m^(j-1) - m^(j)); m^(j) is finite as key 0 comes first
+      m_i[h] = rowmax[h];
+      l_i[h] *= alpha[h];
+    }
+    for (int c = 0; c < d / 16; c++)                                        // l.11 (first half): rescale O_i
+      for (int e = 0; e < 8; e++) O_i[c][e] *= alpha[e / 2 % 2];
+    for (int c = 0; c < B_c / 16; c++)                                      // P_ij = exp(S_ij - m_i)
+      for (int e = 0; e < 8; e += 2) {
+        const int h = e / 2 % 2;
+        const float p0 = exp2f(S[c][e] - m_i[h]), p1 = exp2f(S[c][e + 1] - m_i[h]);
+        l_i[h] += p0 + p1;  // this lane's share of rowsum(P_ij)
+        *reinterpret_cast<__half2*>(&P_s[(r - row0 + 2 * h) * ldP + 16 * c + 8 * ch + (e & 4) + (lane & 2)]) =
+            __floats2half2_rn(p0, p1);
+      }
+    __syncwarp();  // this warp's P_ij is in shared memory before its lanes read each other's values
+    for (int kk = 0; kk < B_c / 4; kk++) {                                  // l.11: O_i += P_ij V_j
+      // A: this lane's row of P_ij, keys 4kk .. 4kk+3.  B (.row): key 4kk + p, columns 16c + 8ch + 4hi ..
+      const uint2 a = *reinterpret_cast<const uint2*>(&P_s[(8 * rh + 4 * hi + p) * ldP + 4 * kk]);
+      for (int c = 0; c < d / 16; c++) {
+        const uint2 b = *reinterpret_cast<const uint2*>(&V_s[(4 * kk + p) * ld + 16 * c + 8 * ch + 4 * hi]);
+        mma_m8n8k4_row_row(O_i[c], a, b);
+      }
+    }
+    __syncthreads();  // every warp is done with K_j, V_j and its P_ij before block j+1 overwrites them
+  }
+  for (int h = 0; h < 2; h++) {
+    l_i[h] += __shfl_xor_sync(~0u, l_i[h], 2);
+    l_i[h] += __shfl_xor_sync(~0u, l_i[h], 8);
+    if (r + 2 * h >= N) continue;
+    for (int c = 0; c < d / 16; c++)                                        // l.13, l.15: O_i / l_i
+      for (int e = 2 * h; e < 8; e += 4)
+        *reinterpret_cast<__half2*>(&O[(size_t)(r + 2 * h) * d + 16 * c + 8 * ch + (e & 4) + (lane & 2)]) =
+            __floats2half2_rn(O_i[c][e] / l_i[h], O_i[c][e + 1] / l_i[h]);
+    if ((lane & 2) == 0 && ch == 0) L[r + 2 * h] = (m_i[h] + log2f(l_i[h])) * LN2;  // l.14, l.16: one of 4 lanes
+  }
+}
+
+// ------------------------------------------------------------------------------------------------------
+// Turing (sm_75): mma.sync.aligned.m16n8k8, fp16 inputs, fp32 sums, computed by the whole warp. With
+// lane = 4g + t (g = lane / 4 in 0..7, t = lane % 4 in 0..3), the fragments of
+//   D (16 x 8, fp32) += A (16 x 8, row-major) * B (8 x 8, column-major)
+// are (each register of A and B holds two 16-bit values, the lower column or row in the low half):
+//   A: a0 = A[g][2t, 2t+1]   a1 = A[g+8][2t, 2t+1]          B: b0 = B[2t, 2t+1][g]
+//   D: d0, d1 = D[g][2t, 2t+1]                              d2, d3 = D[g+8][2t, 2t+1]
+// The kernels below work on 16-wide k slices: a 16 x 16 A tile is four registers, a[0], a[1] for columns
+// 0..7 and a[2], a[3] for columns 8..15 (a[2] = A[g][2t+8, 2t+9], a[3] = A[g+8][2t+8, 2t+9]); a 16 x 8
+// B tile is two, b0 for rows 0..7 and b1 for rows 8..15. D's layout for two neighbouring 16 x 8 tiles is
+// A's layout for one 16 x 16 tile: that is why P_ij can go from the S_ij accumulators straight into the
+// next product without touching shared memory.
+
+// for (m, n) in 16 x 8: d[m][n] += sum_k a[m][k] * b[k][n], k < 8
+__device__ void mma_m16n8k8(float (&d)[4], uint32_t a0, uint32_t a1, uint32_t b0) {
+#if SM75
+  asm volatile("mma.sync.aligned.m16n8k8.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5}, {%6}, {%0,%1,%2,%3};"
+               : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+               : "r"(a0), "r"(a1), "r"(b0));
+#else
+  __trap();
+#endif
+}
+// the same for k < 16: one m16n8k8 per 8-wide half of the slice
+__device__ void mma_m16n8k8_x2(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+  mma_m16n8k8(d, a[0], a[1], b0);
+  mma_m16n8k8(d, a[2], a[3], b1);
+}
+
+// ldmatrix.x4 (sm_75+): four 8 x 8 matrices of 16-bit values from shared memory, one per group of 8 lanes.
 // Lane l gives the address of one row: row l % 8 of matrix l / 8. Afterwards register r[i] of lane l holds
 //   matrix i, row l / 4, columns 2*(l % 4) and 2*(l % 4) + 1            (no .trans: a row of 2 values)
 //   matrix i, rows 2*(l % 4) and 2*(l % 4) + 1, column l / 4           (.trans: a column of 2 values)
 // which is exactly one register of an A or B fragment above.
 __device__ void ldmatrix_x4(uint32_t (&r)[4], const void* row) {
+#if SM75
   const uint32_t addr = __cvta_generic_to_shared(row);
   asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];"
                : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(addr));
+#else
+  __trap();
+#endif
 }
 __device__ void ldmatrix_x4_trans(uint32_t (&r)[4], const void* row) {
+#if SM75
   const uint32_t addr = __cvta_generic_to_shared(row);
   asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];"
                : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(addr));
+#else
+  __trap();
+#endif
+}
+
+// Two floats rounded to one register of two 16-bit values (lo in the low half), as fragments hold them.
+template <typename T> __device__ uint32_t pack(float lo, float hi);
+template <> __device__ uint32_t pack<__half>(float lo, float hi) {
+  __half2 h = __floats2half2_rn(lo, hi);
+  return *reinterpret_cast<uint32_t*>(&h);
+}
+template <> __device__ uint32_t pack<__nv_bfloat16>(float lo, float hi) {
+  __nv_bfloat162 h = __floats2bfloat162_rn(lo, hi);
+  return *reinterpret_cast<uint32_t*>(&h);
+}
+
+// Three steps of the forward shared by the Turing and Ampere kernels. In the m16n8 accumulator layout a
+// lane holds rows g and g+8 (h = e / 2) and columns 2t, 2t+1 (e % 2) of every 16 x 8 tile of the warp's
+// 16 rows; r is this lane's row g as a row of Q.
+
+// l.10 and the rescaling in l.11: masks S_ij (16, B_c) (causal, or keys past N; c0 = key of tile 0,
+// column 2t), scales it to base-2 units, updates m_i, and multiplies l_i and O_i by e^(m_i^(j-1) - m_i^(j)).
+template <int B_c, int d>
+__device__ void online_softmax(float (&S)[B_c / 8][4], float (&m_i)[2], float (&l_i)[2], float (&O_i)[d / 8][4],
+                               int r, int c0, int N, bool masked, bool causal, float scale_log2) {
+  float rowmax[2] = {m_i[0], m_i[1]};
+  for (int nt = 0; nt < B_c / 8; nt++)
+    for (int e = 0; e < 4; e++) {
+      const int row = r + 8 * (e / 2), key = c0 + 8 * nt + e % 2;
+      S[nt][e] = (masked && (key >= N || (causal && key > row))) ? -INFINITY : S[nt][e] * scale_log2;
+      rowmax[e / 2] = fmaxf(rowmax[e / 2], S[nt][e]);
+    }
+  for (int h = 0; h < 2; h++) {  // the 4 lanes of a quad (same g) hold one row: reduce across them
+    rowmax[h] = fmaxf(rowmax[h], __shfl_xor_sync(~0u, rowmax[h], 1));
+    rowmax[h] = fmaxf(rowmax[h], __shfl_xor_sync(~0u, rowmax[h], 2));
+    const float alpha = exp2f(m_i[h] - rowmax[h]);  // m^(j) is finite: every row sees key 0 in block 0
+    m_i[h] = rowmax[h];
+    l_i[h] *= alpha;
+    for (int nt = 0; nt < d / 8; nt++) O_i[nt][2 * h] *= alpha, O_i[nt][2 * h + 1] *= alpha;
+  }
+}
+
+// P_ij = exp(S_ij - m_i) for one 16 x 8 accumulator tile s, packed as the two A-fragment registers that
+// hold its rows g and g+8 in P_ij V_j; this lane's share of rowsum(P_ij) is added to l_i (l.11).
+template <typename T>
+__device__ void exp_and_pack(uint32_t& row_g, uint32_t& row_g8, const float (&s)[4], const float (&m_i)[2],
+                             float (&l_i)[2]) {
+  float p[4];
+  for (int e = 0; e < 4; e++) p[e] = exp2f(s[e] - m_i[e / 2]);
+  l_i[0] += p[0] + p[1], l_i[1] += p[2] + p[3];
+  row_g = pack<T>(p[0], p[1]), row_g8 = pack<T>(p[2], p[3]);
+}
+
+// l.13-16: O_i / l_i into O as T, and L_i = m_i + log(l_i) in natural-log units.
+template <typename T, int d>
+__device__ void write_O_L(const float (&O_i)[d / 8][4], const float (&m_i)[2], float (&l_i)[2], T* O, float* L,
+                          int r, int t, int N) {
+  for (int h = 0; h < 2; h++) {
+    l_i[h] += __shfl_xor_sync(~0u, l_i[h], 1);  // the row's sum over the 4 lanes of its quad
+    l_i[h] += __shfl_xor_sync(~0u, l_i[h], 2);
+    if (r + 8 * h >= N) continue;
+    for (int nt = 0; nt < d / 8; nt++)
+      *reinterpret_cast<uint32_t*>(&O[(size_t)(r + 8 * h) * d + 8 * nt + 2 * t]) =
+          pack<T>(O_i[nt][2 * h] / l_i[h], O_i[nt][2 * h + 1] / l_i[h]);
+    if (t == 0) L[r + 8 * h] = (m_i[h] + log2f(l_i[h])) * LN2;
+  }
+}
+
+// fp16 forward on Turing tensor cores (sm_75+): FlashAttention-2, Algorithm 1, with what sm_75 has:
+// mma.m16n8k8 (two per 16-wide k slice), ldmatrix, and loads that pass through registers and block until
+// they land (no cp.async, so no double buffering). An SM has 64 KB of shared memory: Q_i goes to
+// registers through the K_j, V_j buffers, and d = 128 uses B_c = 32, so that 3 blocks fit on an SM.
+// Grid (T_r, B*H); NW warps, B_r = 16*NW; warp w owns rows 16w .. 16w+15 of Q_i, S_ij and O_i outright
+// (no reduction across warps). Per warp and block j (nt: 8-column tile, kk: 16-wide k slice):
+//   S_ij (16, B_c)  = Q_i (16, d) K_j^T (d, B_c)    d/16 x B_c/8 x 2 mma, S[nt][4]
+//   O_i  (16, d)   += P_ij (16, B_c) V_j (B_c, d)   B_c/16 x d/8 x 2 mma, O_i[nt][4]
+template <int d, int NW, int B_c>
+__global__ void __launch_bounds__(NW * 32)
+flash_fwd_turing(const __half* __restrict__ Q, const __half* __restrict__ K, const __half* __restrict__ V,
+                 __half* __restrict__ O, float* __restrict__ L, int N, float scale_log2, bool causal) {
+  // Rows padded to d + 8 halves: the extra 16 bytes shift consecutive rows by 4 banks, so the 8 rows an
+  // ldmatrix reads fall in 8 different 16-byte bank groups (a stride of d would put all 8 in one).
+  constexpr int B_r = 16 * NW, ld = d + 8;
+  static_assert(B_r <= 2 * B_c, "Q_i passes through the K_j and V_j buffers");
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  __half* K_s = reinterpret_cast<__half*>(smem_raw);  // K_j  (B_c, d)  row stride ld  (at first: Q_i)
+  __half* V_s = K_s + B_c * ld;                       // V_j  (B_c, d)  row stride ld
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
+  const int i = gridDim.x - 1 - blockIdx.x, row0 = i * B_r;
+  const size_t head = (size_t)blockIdx.y * N * d;
+  Q += head; K += head; V += head; O += head; L += (size_t)blockIdx.y * N;
+  const int T_c = (N + B_c - 1) / B_c;
+  const int j_end = causal ? min(T_c, (row0 + B_r - 1) / B_c + 1) : T_c;
+
+  load_tile<B_r, d, NW * 32>(K_s, ld, Q, row0, N);                         // l.5: load Q_i
+  __syncthreads();  // Q_i is complete
+  uint32_t Q_frag[d / 16][4];  // A fragments of this warp's 16 rows of Q_i, one per 16-wide k slice
+  for (int kk = 0; kk < d / 16; kk++)  // lane l points at row l % 16, column 16*kk + 8*(l / 16)
+    ldmatrix_x4(Q_frag[kk], &K_s[(16 * warp + lane % 16) * ld + 16 * kk + 8 * (lane / 16)]);
+
+  float O_i[d / 8][4] = {}, m_i[2] = {-INFINITY, -INFINITY}, l_i[2] = {0.f, 0.f};  // l.6
+  for (int j = 0; j < j_end; j++) {                                         // l.7
+    __syncthreads();  // every warp is done with the buffers (Q_i, or K_j-1 and V_j-1) before the refill
+    load_tile<B_c, d, NW * 32>(K_s, ld, K, j * B_c, N);                      // l.8
+    load_tile<B_c, d, NW * 32>(V_s, ld, V, j * B_c, N);
+    __syncthreads();  // K_j and V_j are complete
+
+    float S[B_c / 8][4] = {};                                               // l.9: S_ij = Q_i K_j^T
+    for (int kk = 0; kk < d / 16; kk++)
+      for (int nt = 0; nt < B_c / 8; nt += 2) {
+        // B fragments of keys 8nt .. 8nt+15: lane l points at key 8nt + l%8 + 8*(l/16), column 16kk + 8*((l/8)%2)
+        uint32_t b[4];
+        ldmatrix_x4(b, &K_s[(8 * nt + lane % 8 + 8 * (lane / 16)) * ld + 16 * kk + 8 * (lane / 8 % 2)]);
+        mma_m16n8k8_x2(S[nt], Q_frag[kk], b[0], b[1]);
+        mma_m16n8k8_x2(S[nt + 1], Q_frag[kk], b[2], b[3]);
+      }
+    const bool masked = causal ? (j + 1) * B_c > row0 : (j + 1) * B_c > N;  // any masked entry in block?
+    online_softmax<B_c, d>(S, m_i, l_i, O_i, row0 + 16 * warp + g, j * B_c + 2 * t, N, masked, causal, scale_log2);
+    for (int kk = 0; kk < B_c / 16; kk++) {                                 // l.11: O_i += P_ij V_j
+      uint32_t P_frag[4];  // the S accumulators of tiles 2kk, 2kk+1 are the A fragment of slice kk
+      exp_and_pack<__half>(P_frag[0], P_frag[1], S[2 * kk], m_i, l_i);      // keys 16kk .. 16kk+7
+      exp_and_pack<__half>(P_frag[2], P_frag[3], S[2 * kk + 1], m_i, l_i);  // keys 16kk+8 .. 16kk+15
+      for (int nt = 0; nt < d / 8; nt += 2) {
+        // B fragments of V_j (keys 16kk .. 16kk+15, columns 8nt .. 8nt+15), transposed on the way:
+        // lane l points at key 16kk + l%8 + 8*((l/8)%2), column 8nt + 8*(l/16)
+        uint32_t b[4];
+        ldmatrix_x4_trans(b, &V_s[(16 * kk + lane % 8 + 8 * (lane / 8 % 2)) * ld + 8 * nt + 8 * (lane / 16)]);
+        mma_m16n8k8_x2(O_i[nt], P_frag, b[0], b[1]);
+        mma_m16n8k8_x2(O_i[nt + 1], P_frag, b[2], b[3]);
+      }
+    }
+  }
+  write_O_L<__half, d>(O_i, m_i, l_i, O, L, row0 + 16 * warp + g, t, N);   // l.12-16
+}
+
+// ------------------------------------------------------------------------------------------------------
+// Ampere (sm_80): mma.sync.aligned.m16n8k16 multiplies a whole 16-wide k slice in one instruction, on the
+// same four A registers and two B registers that Turing feeds to two m16n8k8, and takes bf16 as well as
+// fp16. The fragments of D (16 x 8, fp32) += A (16 x 16, row-major) * B (16 x 8, column-major):
+//   A: a0 = A[g][2t, 2t+1]   a1 = A[g+8][2t, 2t+1]   a2 = A[g][2t+8, 2t+9]   a3 = A[g+8][2t+8, 2t+9]
+//   B: b0 = B[2t, 2t+1][g]   b1 = B[2t+8, 2t+9][g]
+//   D: d0, d1 = D[g][2t, 2t+1]                       d2, d3 = D[g+8][2t, 2t+1]
+// cp.async copies global to shared memory without passing through registers, so the next K_j, V_j can
+// be in flight while this one is multiplied.
+
+// for (m, n) in 16 x 8: d[m][n] += sum_k a[m][k] * b[k][n], k < 16, fp16 or bf16 inputs, fp32 sums
+template <typename T> __device__ void mma_m16n8k16(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1);
+template <> __device__ void mma_m16n8k16<__half>(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+#if SM80
+  asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
+               : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+               : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+#else
+  __trap();
+#endif
+}
+template <> __device__ void mma_m16n8k16<__nv_bfloat16>(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+#if SM80
+  asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
+               : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+               : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+#else
+  __trap();
+#endif
 }
 
 // cp.async: copy 16 bytes global -> shared without passing through registers; the thread goes on at once.
@@ -383,9 +676,8 @@ __device__ void cp_async_wait() {
 #endif
 }
 
-// Starts copying a (rows, d) tile of 16-bit values into shared memory with row stride d + 8: the 16 bytes
-// of padding shift consecutive rows by 4 banks, so the 8 rows an ldmatrix reads fall in 8 different
-// 16-byte bank groups (stride d alone would put all 8 in the same one).
+// Starts copying a (rows, d) tile of 16-bit values into shared memory with row stride d + 8 (padded
+// against ldmatrix bank conflicts, as in the Turing kernel), zero-filling rows at or past N.
 template <int rows, int d, int n_threads, typename T>
 __device__ void cp_async_tile(T* dst, const T* src, int row0, int N) {
   for (int idx = threadIdx.x; idx < rows * d / 8; idx += n_threads) {
@@ -395,14 +687,13 @@ __device__ void cp_async_tile(T* dst, const T* src, int row0, int N) {
   }
 }
 
-// ------------------------------------------------------------------------------------------------------
-// fp16/bf16 forward on tensor cores (sm_80+): FlashAttention-2, Algorithm 1.
-// Grid (T_r, B*H); block of NW warps; B_r = 16*NW query rows, warp w owning rows 16w .. 16w+15 of Q_i, S_ij
-// and O_i outright (no reduction across warps). Q_i stays in registers as A fragments; K_j and V_j stream
-// through two shared-memory stages: while block j is multiplied, cp.async brings block j+1.
-// Per warp and block j, in fragments (see the layout above; nt: 8-column tile, kk: 16-wide k slice):
+// fp16/bf16 forward on Ampere tensor cores (sm_80+): FlashAttention-2, Algorithm 1.
+// The Turing kernel's work split and fragments, with one m16n8k16 where Turing issues two m16n8k8, and
+// with cp.async: K_j and V_j stream through two shared-memory stages, block j+1 arriving while block j is
+// multiplied. Grid (T_r, B*H); block of NW warps, B_r = 16*NW, B_c = 64; warp w owns rows 16w .. 16w+15.
+// Per warp and block j (nt: 8-column tile, kk: 16-wide k slice):
 //   S_ij (16, B_c)  = Q_i (16, d) K_j^T (d, B_c)    d/16 x B_c/8 mma, S[nt][4]
-//   O_i  (16, d)   += P_ij (16, B_c) V_j (B_c, d)   B_c/16 x d/8 mma, O[nt][4]
+//   O_i  (16, d)   += P_ij (16, B_c) V_j (B_c, d)   B_c/16 x d/8 mma, O_i[nt][4]
 template <typename T, int d, int NW>
 __global__ void __launch_bounds__(NW * 32)
 flash_fwd_ampere(const T* __restrict__ Q, const T* __restrict__ K, const T* __restrict__ V, T* __restrict__ O,
@@ -426,11 +717,11 @@ flash_fwd_ampere(const T* __restrict__ Q, const T* __restrict__ K, const T* __re
   cp_async_commit();
   cp_async_wait<1>();  // this thread's copies of Q_i have landed (K_0, V_0 may still be in flight)
   __syncthreads();     // ... and so have every other thread's
-  uint32_t Q_frag[d / 16][4];  // A fragments of this warp's 16 rows of Q_i, one per 16-wide k slice
-  for (int kk = 0; kk < d / 16; kk++)  // lane l points at row l % 16, column 16*kk + 8*(l / 16)
+  uint32_t Q_frag[d / 16][4];  // A fragments of this warp's 16 rows of Q_i (addresses as in the Turing kernel)
+  for (int kk = 0; kk < d / 16; kk++)
     ldmatrix_x4(Q_frag[kk], &Q_s[(16 * warp + lane % 16) * ld + 16 * kk + 8 * (lane / 16)]);
 
-  float O_i[d / 8][4] = {}, m_i[2] = {-INFINITY, -INFINITY}, l_i[2] = {0.f, 0.f};  // l.6; rows g, g+8
+  float O_i[d / 8][4] = {}, m_i[2] = {-INFINITY, -INFINITY}, l_i[2] = {0.f, 0.f};  // l.6
   for (int j = 0; j < j_end; j++) {                                         // l.7
     const T* K_j = K_s + (j % 2) * B_c * ld;
     const T* V_j = V_s + (j % 2) * B_c * ld;
@@ -445,69 +736,35 @@ flash_fwd_ampere(const T* __restrict__ Q, const T* __restrict__ K, const T* __re
     float S[B_c / 8][4] = {};                                               // l.9: S_ij = Q_i K_j^T
     for (int kk = 0; kk < d / 16; kk++)
       for (int nt = 0; nt < B_c / 8; nt += 2) {
-        // B fragments of keys 8nt .. 8nt+15: lane l points at key 8nt + l%8 + 8*(l/16), column 16kk + 8*((l/8)%2)
-        uint32_t b[4];
+        uint32_t b[4];  // B fragments of keys 8nt .. 8nt+15 (addresses as in the Turing kernel)
         ldmatrix_x4(b, &K_j[(8 * nt + lane % 8 + 8 * (lane / 16)) * ld + 16 * kk + 8 * (lane / 8 % 2)]);
-        TC<T>::mma(S[nt], Q_frag[kk], b[0], b[1]);
-        TC<T>::mma(S[nt + 1], Q_frag[kk], b[2], b[3]);
+        mma_m16n8k16<T>(S[nt], Q_frag[kk], b[0], b[1]);
+        mma_m16n8k16<T>(S[nt + 1], Q_frag[kk], b[2], b[3]);
       }
-
     const bool masked = causal ? (j + 1) * B_c > row0 : (j + 1) * B_c > N;  // any masked entry in block?
-    float rowmax[2] = {m_i[0], m_i[1]};                                     // l.10: online softmax
-    for (int nt = 0; nt < B_c / 8; nt++)
-      for (int e = 0; e < 4; e++) {
-        const int r = row0 + 16 * warp + g + 8 * (e / 2), c = j * B_c + 8 * nt + 2 * t + e % 2;
-        S[nt][e] = (masked && (c >= N || (causal && c > r))) ? -INFINITY : S[nt][e] * scale_log2;
-        rowmax[e / 2] = fmaxf(rowmax[e / 2], S[nt][e]);
-      }
-    float alpha[2];
-    for (int h = 0; h < 2; h++) {  // the 4 lanes of a quad (same g) hold one row: reduce across them
-      rowmax[h] = fmaxf(rowmax[h], __shfl_xor_sync(~0u, rowmax[h], 1));
-      rowmax[h] = fmaxf(rowmax[h], __shfl_xor_sync(~0u, rowmax[h], 2));
-      alpha[h] = exp2f(m_i[h] - rowmax[h]);  // e^(m^(j-1) - m^(j)); m^(j) is finite as key 0 comes first
-      m_i[h] = rowmax[h];
-      l_i[h] *= alpha[h];
-    }
-    for (int nt = 0; nt < d / 8; nt++)                                      // l.11 (first half): rescale O_i
-      for (int e = 0; e < 4; e++) O_i[nt][e] *= alpha[e / 2];
+    online_softmax<B_c, d>(S, m_i, l_i, O_i, row0 + 16 * warp + g, j * B_c + 2 * t, N, masked, causal, scale_log2);
     for (int kk = 0; kk < B_c / 16; kk++) {                                 // l.11: O_i += P_ij V_j
       uint32_t P_frag[4];  // the S accumulators of tiles 2kk, 2kk+1 are the A fragment of slice kk
-      for (int h = 0; h < 2; h++) {
-        float* s = S[2 * kk + h];
-        for (int e = 0; e < 4; e++) s[e] = exp2f(s[e] - m_i[e / 2]);       // P_ij = exp(S_ij - m_i)
-        l_i[0] += s[0] + s[1], l_i[1] += s[2] + s[3];  // this lane's share of rowsum(P_ij)
-        P_frag[2 * h] = TC<T>::pack(s[0], s[1]);
-        P_frag[2 * h + 1] = TC<T>::pack(s[2], s[3]);
-      }
+      exp_and_pack<T>(P_frag[0], P_frag[1], S[2 * kk], m_i, l_i);      // keys 16kk .. 16kk+7
+      exp_and_pack<T>(P_frag[2], P_frag[3], S[2 * kk + 1], m_i, l_i);  // keys 16kk+8 .. 16kk+15
       for (int nt = 0; nt < d / 8; nt += 2) {
-        // B fragments of V_j (keys 16kk .. 16kk+15, columns 8nt .. 8nt+15), transposed on the way:
-        // lane l points at key 16kk + l%8 + 8*((l/8)%2), column 8nt + 8*(l/16)
-        uint32_t b[4];
+        uint32_t b[4];  // B fragments of V_j, transposed on the way (addresses as in the Turing kernel)
         ldmatrix_x4_trans(b, &V_j[(16 * kk + lane % 8 + 8 * (lane / 8 % 2)) * ld + 8 * nt + 8 * (lane / 16)]);
-        TC<T>::mma(O_i[nt], P_frag, b[0], b[1]);
-        TC<T>::mma(O_i[nt + 1], P_frag, b[2], b[3]);
+        mma_m16n8k16<T>(O_i[nt], P_frag, b[0], b[1]);
+        mma_m16n8k16<T>(O_i[nt + 1], P_frag, b[2], b[3]);
       }
     }
     __syncthreads();  // every warp is done with stage j % 2 before iteration j+1 refills it
   }
-  for (int h = 0; h < 2; h++) {
-    l_i[h] += __shfl_xor_sync(~0u, l_i[h], 1);
-    l_i[h] += __shfl_xor_sync(~0u, l_i[h], 2);
-    const int r = row0 + 16 * warp + g + 8 * h;
-    if (r >= N) continue;
-    for (int nt = 0; nt < d / 8; nt++)                                      // l.13, l.15: O_i / l_i
-      *reinterpret_cast<uint32_t*>(&O[(size_t)r * d + 8 * nt + 2 * t]) =
-          TC<T>::pack(O_i[nt][2 * h] / l_i[h], O_i[nt][2 * h + 1] / l_i[h]);
-    if (t == 0) L[r] = (m_i[h] + log2f(l_i[h])) * LN2;                      // l.14, l.16
-  }
+  write_O_L<T, d>(O_i, m_i, l_i, O, L, row0 + 16 * warp + g, t, N);        // l.12-16
 }
 
 // ------------------------------------------------------------------------------------------------------
-// fp16/bf16 backward on tensor cores (sm_80+): FlashAttention-2, Algorithm 2.
+// fp16/bf16 backward on Ampere tensor cores (sm_80+): FlashAttention-2, Algorithm 2.
 // Grid (T_c, B*H): one block per key block K_j, V_j of one head, looping over query blocks Q_i.
 // Block of NW warps, B_c = 16*NW keys; warp w owns keys 16w .. 16w+15 and so rows of the transposed
 // products below, which keep dK_j and dV_j in its registers for the whole loop (fragment layout: see
-// the tensor-core building blocks above; nt: 8-column tile, kk: 16-wide k slice):
+// the Turing section above; nt: 8-column tile, kk: 16-wide k slice):
 //   S_ij^T  (16, B_r) = K_j Q_i^T        dP_ij^T (16, B_r) = V_j dO_i^T
 //   dV_j    (16, d)  += P_ij^T dO_i       dK_j    (16, d)  += dS_ij^T Q_i
 // Working with transposes lets P_ij^T and dS_ij^T go from accumulators straight into the next product.
@@ -565,8 +822,8 @@ flash_bwd_ampere(const T* __restrict__ Q, const T* __restrict__ K, const T* __re
         uint32_t q[4], o[4];
         ldmatrix_x4(q, &Q_i[(8 * nt + lane % 8 + 8 * (lane / 16)) * ld + 16 * kk + 8 * (lane / 8 % 2)]);
         ldmatrix_x4(o, &dO_i[(8 * nt + lane % 8 + 8 * (lane / 16)) * ld + 16 * kk + 8 * (lane / 8 % 2)]);
-        TC<T>::mma(S[nt], K_frag, q[0], q[1]), TC<T>::mma(S[nt + 1], K_frag, q[2], q[3]);     // l.11: S_ij^T
-        TC<T>::mma(dP[nt], V_frag, o[0], o[1]), TC<T>::mma(dP[nt + 1], V_frag, o[2], o[3]);  // l.14: dP_ij^T
+        mma_m16n8k16<T>(S[nt], K_frag, q[0], q[1]), mma_m16n8k16<T>(S[nt + 1], K_frag, q[2], q[3]);     // l.11: S_ij^T
+        mma_m16n8k16<T>(dP[nt], V_frag, o[0], o[1]), mma_m16n8k16<T>(dP[nt + 1], V_frag, o[2], o[3]);  // l.14: dP_ij^T
       }
     }
     const bool edge = (causal && row0 < col0 + B_c) || row0 + B_r > N || col0 + B_c > N;
@@ -579,12 +836,12 @@ flash_bwd_ampere(const T* __restrict__ Q, const T* __restrict__ K, const T* __re
         dP[nt][e] = S[nt][e] * (dP[nt][e] - D_r);                             // l.15: dS_ij = P o (dP - D_i)
       }
     for (int kk = 0; kk < B_r / 16; kk++) {  // l.13: dV_j += P_ij^T dO_i;  l.17: dK_j += dS_ij^T Q_i
-      const uint32_t P_frag[4] = {TC<T>::pack(S[2 * kk][0], S[2 * kk][1]), TC<T>::pack(S[2 * kk][2], S[2 * kk][3]),
-                                  TC<T>::pack(S[2 * kk + 1][0], S[2 * kk + 1][1]),
-                                  TC<T>::pack(S[2 * kk + 1][2], S[2 * kk + 1][3])};
-      const uint32_t dS_frag[4] = {TC<T>::pack(dP[2 * kk][0], dP[2 * kk][1]), TC<T>::pack(dP[2 * kk][2], dP[2 * kk][3]),
-                                   TC<T>::pack(dP[2 * kk + 1][0], dP[2 * kk + 1][1]),
-                                   TC<T>::pack(dP[2 * kk + 1][2], dP[2 * kk + 1][3])};
+      const uint32_t P_frag[4] = {pack<T>(S[2 * kk][0], S[2 * kk][1]), pack<T>(S[2 * kk][2], S[2 * kk][3]),
+                                  pack<T>(S[2 * kk + 1][0], S[2 * kk + 1][1]),
+                                  pack<T>(S[2 * kk + 1][2], S[2 * kk + 1][3])};
+      const uint32_t dS_frag[4] = {pack<T>(dP[2 * kk][0], dP[2 * kk][1]), pack<T>(dP[2 * kk][2], dP[2 * kk][3]),
+                                   pack<T>(dP[2 * kk + 1][0], dP[2 * kk + 1][1]),
+                                   pack<T>(dP[2 * kk + 1][2], dP[2 * kk + 1][3])};
       for (int h = 0; h < 2; h++) {  // dS_ij^T into shared memory for dQ_i: rows g and g+8 of this warp
         const int c = 16 * warp + g + 8 * h;
         *reinterpret_cast<uint32_t*>(&dS_s[c * ldS + 16 * kk + 2 * t]) = dS_frag[h];
@@ -594,8 +851,8 @@ flash_bwd_ampere(const T* __restrict__ Q, const T* __restrict__ K, const T* __re
         uint32_t o[4], q[4];
         ldmatrix_x4_trans(o, &dO_i[(16 * kk + lane % 8 + 8 * (lane / 8 % 2)) * ld + 8 * nt + 8 * (lane / 16)]);
         ldmatrix_x4_trans(q, &Q_i[(16 * kk + lane % 8 + 8 * (lane / 8 % 2)) * ld + 8 * nt + 8 * (lane / 16)]);
-        TC<T>::mma(dV_j[nt], P_frag, o[0], o[1]), TC<T>::mma(dV_j[nt + 1], P_frag, o[2], o[3]);
-        TC<T>::mma(dK_j[nt], dS_frag, q[0], q[1]), TC<T>::mma(dK_j[nt + 1], dS_frag, q[2], q[3]);
+        mma_m16n8k16<T>(dV_j[nt], P_frag, o[0], o[1]), mma_m16n8k16<T>(dV_j[nt + 1], P_frag, o[2], o[3]);
+        mma_m16n8k16<T>(dK_j[nt], dS_frag, q[0], q[1]), mma_m16n8k16<T>(dK_j[nt + 1], dS_frag, q[2], q[3]);
       }
     }
     __syncthreads();  // all of dS_ij^T is in shared memory: dQ_i needs every warp's keys
@@ -611,7 +868,7 @@ flash_bwd_ampere(const T* __restrict__ Q, const T* __restrict__ K, const T* __re
       for (int nt = 0; nt < d / CW / 8; nt += 2) {  // B fragments of K_j: keys 16kk.., dims n0 + 8nt..
         uint32_t b[4];
         ldmatrix_x4_trans(b, &K_s[(16 * kk + lane % 8 + 8 * (lane / 8 % 2)) * ld + n0 + 8 * nt + 8 * (lane / 16)]);
-        TC<T>::mma(dQ_i[nt], a, b[0], b[1]), TC<T>::mma(dQ_i[nt + 1], a, b[2], b[3]);
+        mma_m16n8k16<T>(dQ_i[nt], a, b[0], b[1]), mma_m16n8k16<T>(dQ_i[nt + 1], a, b[2], b[3]);
       }
     }
     for (int h = 0; h < 2; h++) {
@@ -627,12 +884,13 @@ flash_bwd_ampere(const T* __restrict__ Q, const T* __restrict__ K, const T* __re
     if (c >= N) continue;
     for (int nt = 0; nt < d / 8; nt++) {
       *reinterpret_cast<uint32_t*>(&dK[(size_t)c * d + 8 * nt + 2 * t]) =
-          TC<T>::pack(scale * dK_j[nt][2 * h], scale * dK_j[nt][2 * h + 1]);
-      *reinterpret_cast<uint32_t*>(&dV[(size_t)c * d + 8 * nt + 2 * t]) = TC<T>::pack(dV_j[nt][2 * h], dV_j[nt][2 * h + 1]);
+          pack<T>(scale * dK_j[nt][2 * h], scale * dK_j[nt][2 * h + 1]);
+      *reinterpret_cast<uint32_t*>(&dV[(size_t)c * d + 8 * nt + 2 * t]) = pack<T>(dV_j[nt][2 * h], dV_j[nt][2 * h + 1]);
     }
   }
 }
 
+#ifndef __CUDACC_RTC__
 // ------------------------------------------------------------------------------------------------------
 // Host side: one launcher per kernel, one dispatcher for all of them.
 #define CUDA_CHECK(call)                                                                     \
@@ -695,6 +953,26 @@ void bwd_fp32(const torch::Tensor& Q, const torch::Tensor& K, const torch::Tenso
          dV.data_ptr<float>(), N, scale, causal);
 }
 
+template <int d>
+void fwd_volta(const torch::Tensor& Q, const torch::Tensor& K, const torch::Tensor& V, torch::Tensor& O,
+               torch::Tensor& L, bool causal, float scale, cudaStream_t stream) {
+  constexpr int NW = 4, B_r = 16 * NW, B_c = 64;  // 27 KB (d = 64) or 43 KB (d = 128) of shared memory
+  const int N = Q.size(2), BH = Q.size(0) * Q.size(1);
+  const size_t smem = sizeof(__half) * (2 * B_c * (d + 8) + NW * 16 * (B_c + 4));
+  launch(flash_fwd_volta<d, NW>, dim3((N + B_r - 1) / B_r, BH), NW * 32, smem, stream, ptr<__half>(Q),
+         ptr<__half>(K), ptr<__half>(V), ptr<__half>(O), ptr<float>(L), N, scale * LOG2E, causal);
+}
+
+template <int d>
+void fwd_turing(const torch::Tensor& Q, const torch::Tensor& K, const torch::Tensor& V, torch::Tensor& O,
+                torch::Tensor& L, bool causal, float scale, cudaStream_t stream) {
+  constexpr int NW = 4, B_r = 16 * NW, B_c = d == 128 ? 32 : 64;  // 18 KB or 17 KB: 3 blocks per 64 KB SM
+  const int N = Q.size(2), BH = Q.size(0) * Q.size(1);
+  const size_t smem = sizeof(__half) * 2 * B_c * (d + 8);
+  launch(flash_fwd_turing<d, NW, B_c>, dim3((N + B_r - 1) / B_r, BH), NW * 32, smem, stream, ptr<__half>(Q),
+         ptr<__half>(K), ptr<__half>(V), ptr<__half>(O), ptr<float>(L), N, scale * LOG2E, causal);
+}
+
 template <typename T, int d>
 void fwd_ampere(const torch::Tensor& Q, const torch::Tensor& K, const torch::Tensor& V, torch::Tensor& O,
                 torch::Tensor& L, bool causal, float scale, cudaStream_t stream) {
@@ -747,7 +1025,7 @@ void with_type_and_head_dim(const torch::Tensor& Q, F f) {
   switch (Q.size(3)) {
     case 64: return half ? f.template operator()<__half, 64>() : f.template operator()<__nv_bfloat16, 64>();
     case 128: return half ? f.template operator()<__half, 128>() : f.template operator()<__nv_bfloat16, 128>();
-    default: TORCH_CHECK(false, "kernel 'ampere' takes head dims 64 and 128, got ", Q.size(3));
+    default: TORCH_CHECK(false, "the tensor-core kernels take head dims 64 and 128, got ", Q.size(3));
   }
 }
 
@@ -758,6 +1036,13 @@ std::vector<torch::Tensor> forward(const std::string& kernel, const torch::Tenso
   auto L = torch::empty({Q.size(0), Q.size(1), Q.size(2)}, Q.options().dtype(torch::kFloat32));  // (B, H, N)
   if (kernel == "fp32")
     with_head_dim(Q.size(3), [&]<int d>() { fwd_fp32<d>(Q, K, V, O, L, causal, scale, stream); });
+  else if (kernel == "volta" || kernel == "turing")  // fp16 only: these GPUs have no bf16 tensor cores
+    with_type_and_head_dim(Q, [&]<typename T, int d>() {
+      TORCH_CHECK((std::is_same_v<T, __half>), "kernel '", kernel, "' takes float16 only");
+      if constexpr (std::is_same_v<T, __half>)
+        kernel == "volta" ? fwd_volta<d>(Q, K, V, O, L, causal, scale, stream)
+                          : fwd_turing<d>(Q, K, V, O, L, causal, scale, stream);
+    });
   else if (kernel == "ampere")
     with_type_and_head_dim(Q, [&]<typename T, int d>() { fwd_ampere<T, d>(Q, K, V, O, L, causal, scale, stream); });
   else
@@ -791,3 +1076,4 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("forward", &forward, "O, L = forward(kernel, Q, K, V, causal, scale, stream)");
   m.def("backward", &backward, "dQ, dK, dV = backward(kernel, Q, K, V, O, L, dO, causal, scale, stream)");
 }
+#endif  // __CUDACC_RTC__

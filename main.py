@@ -23,6 +23,10 @@ ROOT = os.path.dirname(os.path.abspath(__file__))
 KERNELS = {
     "fp32": dict(dtypes=("float32",), head_dims=(16, 32, 64, 96, 128), min_arch=70, backward_kernel="fp32",
                  about="FlashAttention-2 on CUDA cores, fp32"),
+    "volta": dict(dtypes=("float16",), head_dims=(64, 128), min_arch=70, backward_kernel="fp32",
+                  about="Volta tensor cores: mma.m8n8k4 in four quad pairs, P_ij through shared memory"),
+    "turing": dict(dtypes=("float16",), head_dims=(64, 128), min_arch=75, backward_kernel="fp32",
+                   about="Turing tensor cores: mma.m16n8k8, ldmatrix, synchronous loads, 64 KB of shared memory"),
     "ampere": dict(dtypes=("float16", "bfloat16"), head_dims=(64, 128), min_arch=80, backward_kernel="ampere",
                    about="FlashAttention-2 on tensor cores: mma.m16n8k16, ldmatrix, cp.async"),
 }
