@@ -2,14 +2,21 @@
 //
 // Index. Speed on an NVIDIA H200 (sm_90), measured with bench.py (commands in docs/benchmarks.md):
 //   fp32: B=16, H=12, d=64, non-causal, N=1024 / 4096, against manual attention (TF32 off) in the same run
-//   ampere: FlashAttention's shapes (B*N=16384, H*d=2048), fp16, N=4096, against SDPA's FLASH_ATTENTION
+//   tensor cores: FlashAttention's shapes (B*N=16384, H*d=2048), fp16, N=4096, non-causal, d=64 / d=128,
+//   against SDPA's FLASH_ATTENTION backend in the same run
 //   kernel  what it adds                                           GPUs    speed
 //   fp32    FA-2 Algorithms 1 and 2 on CUDA cores: a thread block  sm_70+  fwd 1.39x / 1.54x manual,
 //           per query block (forward) or key block (backward), each         fwd+bwd 1.01x / 1.10x manual
 //           thread owning an 8 x 4 tile of S_ij; dQ by atomics              (35 TFLOP/s fwd; = SDPA-efficient)
-//   ampere  tensor cores: mma.m16n8k16 (fp16/bf16 in, fp32 sums),  sm_80+  fwd 0.81x (d=64), 0.66x (d=128),
-//           ldmatrix, cp.async double buffering, Q_i and P_ij in            fwd+bwd 0.51x / 0.50x SDPA-flash
-//           registers; backward on transposed products, dQ by atomics       (246 / 220 TFLOP/s fwd)
+//   volta   fp16 forward on mma.m8n8k4: four quad pairs per warp, sm_70+  fwd 0.04x / 0.03x SDPA-flash on
+//           operands by plain loads, P_ij through shared memory;           sm_90, which runs m8n8k4 slowly
+//           backward: the fp32 kernel on upcast inputs                     (12 / 9 TFLOP/s; no V100 here)
+//   turing  fp16 forward on mma.m16n8k8 + ldmatrix, synchronous     sm_75+  fwd 0.60x / 0.46x SDPA-flash on
+//           loads, Q_i through the K_j/V_j buffers (64 KB SMs);            sm_90 (182 / 153 TFLOP/s; no T4
+//           backward: the fp32 kernel on upcast inputs                     here)
+//   ampere  mma.m16n8k16 (fp16/bf16 in, fp32 sums), ldmatrix,      sm_80+  fwd 0.81x / 0.66x SDPA-flash,
+//           cp.async double buffering, Q_i and P_ij in registers;          fwd+bwd 0.51x / 0.50x
+//           backward on transposed products, dQ by atomics                 (246 / 220 TFLOP/s fwd)
 //
 // Every kernel sits behind one interface (bottom of this file): forward(kernel, Q, K, V, causal, scale)
 // returns O and L; backward(kernel, Q, K, V, O, L, dO, causal, scale) returns dQ, dK, dV. Tensors are
@@ -363,7 +370,9 @@ flash_fwd_volta(const __half* __restrict__ Q, const __half* __restrict__ K, cons
   __half* K_s = reinterpret_cast<__half*>(smem_raw);  // K_j  (B_c, d)  row stride ld
   __half* V_s = K_s + B_c * ld;                       // V_j  (B_c, d)  row stride ld
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  __half* P_s = V_s + B_c * ld + warp * 16 * ldP;     // this warp's P_ij  (16, B_c)  row stride ldP
+  // this warp's P_ij (16, B_c), row stride ldP = B_c + 4: rows 34 words apart put the 8 rows that a half-warp's
+  // A loads read (8rh + 4hi + p) in 8 different bank pairs (a stride of B_c would put them in one)
+  __half* P_s = V_s + B_c * ld + warp * 16 * ldP;
   const int p = lane % 4, rh = lane / 4 % 2, ch = lane / 8 % 2, hi = lane / 16;
   const int i = gridDim.x - 1 - blockIdx.x, row0 = i * B_r + 16 * warp;  // row0: this warp's first row
   const size_t head = (size_t)blockIdx.y * N * d;
@@ -508,7 +517,8 @@ template <> __device__ uint32_t pack<__nv_bfloat16>(float lo, float hi) {
 // 16 rows; r is this lane's row g as a row of Q.
 
 // l.10 and the rescaling in l.11: masks S_ij (16, B_c) (causal, or keys past N; c0 = key of tile 0,
-// column 2t), scales it to base-2 units, updates m_i, and multiplies l_i and O_i by e^(m_i^(j-1) - m_i^(j)).
+// column 2t), scales it to base-2 units, updates m_i, and multiplies l_i and O_i by e^(m_i^(j-1) - m_i^(j))
+// (exp2 of the difference of the base-2 m_i).
 template <int B_c, int d>
 __device__ void online_softmax(float (&S)[B_c / 8][4], float (&m_i)[2], float (&l_i)[2], float (&O_i)[d / 8][4],
                                int r, int c0, int N, bool masked, bool causal, float scale_log2) {
@@ -604,7 +614,8 @@ flash_fwd_turing(const __half* __restrict__ Q, const __half* __restrict__ K, con
         mma_m16n8k8_x2(S[nt + 1], Q_frag[kk], b[2], b[3]);
       }
     const bool masked = causal ? (j + 1) * B_c > row0 : (j + 1) * B_c > N;  // any masked entry in block?
-    online_softmax<B_c, d>(S, m_i, l_i, O_i, row0 + 16 * warp + g, j * B_c + 2 * t, N, masked, causal, scale_log2);
+    online_softmax<B_c, d>(S, m_i, l_i, O_i, row0 + 16 * warp + g, j * B_c + 2 * t, N, masked, causal,  // l.10
+                           scale_log2);
     for (int kk = 0; kk < B_c / 16; kk++) {                                 // l.11: O_i += P_ij V_j
       uint32_t P_frag[4];  // the S accumulators of tiles 2kk, 2kk+1 are the A fragment of slice kk
       exp_and_pack<__half>(P_frag[0], P_frag[1], S[2 * kk], m_i, l_i);      // keys 16kk .. 16kk+7
@@ -619,7 +630,7 @@ flash_fwd_turing(const __half* __restrict__ Q, const __half* __restrict__ K, con
       }
     }
   }
-  write_O_L<__half, d>(O_i, m_i, l_i, O, L, row0 + 16 * warp + g, t, N);   // l.12-16
+  write_O_L<__half, d>(O_i, m_i, l_i, O, L, row0 + 16 * warp + g, t, N);   // l.13-16
 }
 
 // ------------------------------------------------------------------------------------------------------
@@ -742,7 +753,8 @@ flash_fwd_ampere(const T* __restrict__ Q, const T* __restrict__ K, const T* __re
         mma_m16n8k16<T>(S[nt + 1], Q_frag[kk], b[2], b[3]);
       }
     const bool masked = causal ? (j + 1) * B_c > row0 : (j + 1) * B_c > N;  // any masked entry in block?
-    online_softmax<B_c, d>(S, m_i, l_i, O_i, row0 + 16 * warp + g, j * B_c + 2 * t, N, masked, causal, scale_log2);
+    online_softmax<B_c, d>(S, m_i, l_i, O_i, row0 + 16 * warp + g, j * B_c + 2 * t, N, masked, causal,  // l.10
+                           scale_log2);
     for (int kk = 0; kk < B_c / 16; kk++) {                                 // l.11: O_i += P_ij V_j
       uint32_t P_frag[4];  // the S accumulators of tiles 2kk, 2kk+1 are the A fragment of slice kk
       exp_and_pack<T>(P_frag[0], P_frag[1], S[2 * kk], m_i, l_i);      // keys 16kk .. 16kk+7
@@ -756,7 +768,7 @@ flash_fwd_ampere(const T* __restrict__ Q, const T* __restrict__ K, const T* __re
     }
     __syncthreads();  // every warp is done with stage j % 2 before iteration j+1 refills it
   }
-  write_O_L<T, d>(O_i, m_i, l_i, O, L, row0 + 16 * warp + g, t, N);        // l.12-16
+  write_O_L<T, d>(O_i, m_i, l_i, O, L, row0 + 16 * warp + g, t, N);        // l.13-16
 }
 
 // ------------------------------------------------------------------------------------------------------
@@ -956,7 +968,7 @@ void bwd_fp32(const torch::Tensor& Q, const torch::Tensor& K, const torch::Tenso
 template <int d>
 void fwd_volta(const torch::Tensor& Q, const torch::Tensor& K, const torch::Tensor& V, torch::Tensor& O,
                torch::Tensor& L, bool causal, float scale, cudaStream_t stream) {
-  constexpr int NW = 4, B_r = 16 * NW, B_c = 64;  // 27 KB (d = 64) or 43 KB (d = 128) of shared memory
+  constexpr int NW = 4, B_r = 16 * NW, B_c = 64;  // 26.5 KB (d = 64) or 42.5 KB (d = 128) of shared memory
   const int N = Q.size(2), BH = Q.size(0) * Q.size(1);
   const size_t smem = sizeof(__half) * (2 * B_c * (d + 8) + NW * 16 * (B_c + 4));
   launch(flash_fwd_volta<d, NW>, dim3((N + B_r - 1) / B_r, BH), NW * 32, smem, stream, ptr<__half>(Q),

@@ -4,8 +4,8 @@
 
 Each lane holds 4 registers of A, 2 of B (two 16-bit values per 32-bit register: `half` 0 is the low
 16 bits, half 1 the high 16 bits) and 4 registers of D (one fp32 value each). The rules are in the
-comment "Tensor-core building blocks" of flash.cu; write them as functions. Rows and columns count
-from 0; for B, row is k (0..15) and column is n (0..7).
+fragment comment of flash.cu's Ampere section (above mma_m16n8k16<T>); write them as functions. Rows and
+columns count from 0; for B, row is k (0..15) and column is n (0..7).
 """
 
 

@@ -1,0 +1,119 @@
+"""Every kernel under NVIDIA compute-sanitizer, forward and backward, on small ragged shapes.
+
+    python tests/sanitize.py                              # all four tools
+    python tests/sanitize.py --tools memcheck,racecheck   # some of them
+    python tests/sanitize.py --quick                      # N = 130 only
+
+The tools: memcheck (out-of-bounds and misaligned accesses, hardware exceptions), racecheck (shared-memory
+hazards: a missing __syncthreads), synccheck (barriers not every thread reaches) and initcheck (reads of
+global memory nothing wrote). Needs a CUDA GPU and compute-sanitizer, which comes with the CUDA toolkit.
+
+The script builds flash.cu first, without a sanitizer, then runs itself once per tool with --case: every
+available kernel, dtype and head dim, forward and autograd backward, B = 1, H = 2, N in (1, 37, 130) (one
+row; one ragged block; several blocks and a ragged last one), causal and not. Racecheck, the slow one, uses
+N = 130 only. It prints one line per tool, the output tail of any tool that reported something, and exits
+1 if any did. (pytest collects test_*.py only, so this file is not a test.)
+"""
+import argparse
+import os
+import re
+import shutil
+import subprocess
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import main  # noqa: E402  (the repository root is not a package)
+
+TOOLS = ("memcheck", "racecheck", "synccheck", "initcheck")
+LENGTHS = "1,37,130"
+# Only our kernels (flash_fwd_*, flash_bwd_*) are instrumented, not PyTorch's. Not for initcheck: a write by
+# a kernel it does not instrument would count as missing, and a PyTorch kernel zeroes dQ before ours add to it.
+ONLY_OURS = ["--kernel-name", "kns=flash_"]
+OPTIONS = {"memcheck": ONLY_OURS + ["--padding", "64"],  # a gap after each allocation, so overruns hit no tensor
+           "racecheck": ONLY_OURS, "synccheck": ONLY_OURS, "initcheck": []}
+
+
+def run_cases(lengths):
+    """Forward and backward of every available kernel, dtype and head dim on each N, causal and not."""
+    cases, covered = 0, []
+    for kn in main.list_kernels():
+        if not kn["available"]:
+            continue
+        for dtype in kn["dtypes"]:
+            for d in kn["head_dims"]:
+                for N in lengths:
+                    for causal in (False, True):
+                        q, k, v, do = (torch.randn(1, 2, N, d, device="cuda", dtype=getattr(torch, dtype))
+                                       for _ in range(4))
+                        q, k, v = (t.requires_grad_() for t in (q, k, v))
+                        o = main.flash_attention(q, k, v, causal=causal, kernel=kn["name"])
+                        grads = torch.autograd.grad(o, (q, k, v), do)
+                        assert all(torch.isfinite(t).all() for t in (o, *grads)), \
+                            f"non-finite output: {kn['name']} {dtype} d={d} N={N} causal={causal}"
+                        cases += 1
+            covered.append(f"{kn['name']} {dtype} d={','.join(map(str, kn['head_dims']))}")
+    torch.cuda.synchronize()
+    print(f"cases: {cases} ({'; '.join(covered)})")  # the line the parent reads
+
+
+def find_sanitizer():
+    from torch.utils.cpp_extension import CUDA_HOME
+    path = shutil.which("compute-sanitizer") or os.path.join(CUDA_HOME or "", "bin", "compute-sanitizer")
+    if not os.path.isfile(path):
+        sys.exit("compute-sanitizer not found: put the CUDA toolkit's bin/ on PATH or set CUDA_HOME")
+    return path
+
+
+def sanitize(sanitizer, tool, lengths):
+    """Runs --case under one tool. Returns the output, the case line ("cases: ...", None if the cases did not
+    all run) and the number of errors the tool reported (None if it printed no summary)."""
+    command = [sanitizer, "--tool", tool, "--error-exitcode", "1", *OPTIONS[tool],
+               sys.executable, os.path.abspath(__file__), "--case", lengths]
+    # One cudaMalloc per tensor instead of PyTorch's cached blocks: an overrun then leaves its allocation
+    # (memcheck sees it) and a new tensor is fresh memory (initcheck sees reads of what nothing wrote).
+    env = dict(os.environ, PYTORCH_NO_CUDA_MEMORY_CACHING="1")
+    result = subprocess.run(command, capture_output=True, text=True, env=env)
+    output = result.stdout + result.stderr
+    cases = re.search(r"^cases: .*$", output, re.M)
+    # "ERROR SUMMARY: 0 errors"; racecheck: "RACECHECK SUMMARY: 0 hazards displayed (0 errors, 0 warnings)"
+    errors = [int(n) for n in re.findall(r"SUMMARY: .*?(\d+) errors?", output)]
+    if result.returncode != 0 and not any(errors):
+        cases = None  # the run itself failed: its output says why
+    return output, cases.group(0) if cases else None, sum(errors) if errors else None
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--tools", default=",".join(TOOLS), help="comma-separated subset of " + ", ".join(TOOLS))
+    parser.add_argument("--quick", action="store_true", help="N = 130 only")
+    parser.add_argument("--case", metavar="LENGTHS", nargs="?", const=LENGTHS,
+                        help=f"only run the kernels, on these N (default {LENGTHS}): what each tool watches")
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        sys.exit("tests/sanitize.py needs a CUDA GPU")
+    if args.case:
+        run_cases([int(n) for n in args.case.split(",")])
+        sys.exit(0)
+
+    tools = args.tools.split(",")
+    if set(tools) - set(TOOLS):
+        sys.exit(f"unknown tool in {args.tools}; choose from {', '.join(TOOLS)}")
+    sanitizer = find_sanitizer()
+    main.load()  # build once, outside the sanitizer
+    print(f"GPU: {torch.cuda.get_device_name()}, torch {torch.__version__}, CUDA {torch.version.cuda}")
+    print(f"{'tool':<10} {'errors':>6} {'seconds':>7}  kernels covered")
+    failed = []
+    for tool in tools:
+        start = time.time()
+        output, cases, errors = sanitize(sanitizer, tool, "130" if args.quick or tool == "racecheck" else LENGTHS)
+        print(f"{tool:<10} {'?' if errors is None else errors:>6} {time.time() - start:>7.0f}  "
+              f"{cases or 'the run failed'}", flush=True)
+        if errors != 0 or cases is None:
+            failed.append(tool)
+            print(f"--- {tool}: the last lines of its output ---\n{output[-6000:]}\n---", flush=True)
+    if failed:
+        sys.exit(f"compute-sanitizer reported problems under {', '.join(failed)}")
+    print(f"No errors under {', '.join(tools)}.")

@@ -1,0 +1,95 @@
+"""Random problems instead of a fixed grid: shapes, causal and softmax_scale drawn from a seeded generator.
+
+GPU (skipped, visibly, without a CUDA GPU): every available kernel and dtype on FLASH_FUZZ_CASES random
+problems (default 10 each), forward and all three gradients against float64 with test_kernels.py's rule
+(at most 3x SDPA's error in the same dtype, plus a small floor). CPU: reference.py's block loops with
+random block sizes B_r, B_c against dense attention and autograd in float64 (3 * FLASH_FUZZ_CASES problems).
+
+    FLASH_FUZZ_CASES=500 python -m pytest tests/test_fuzz.py     # the full run
+    FLASH_FUZZ_SEED=7 python -m pytest tests/test_fuzz.py        # other problems (default seed: 0)
+
+Problems depend only on the seed, the test and the case index, so a failure reruns exactly; each test
+checks all its cases and lists every failing one with its seed, index and parameters.
+"""
+import os
+import random
+
+import pytest
+import torch
+
+import reference
+from main import list_kernels
+from test_kernels import DTYPES, check, rel_err  # pytest puts tests/ on sys.path (rootdir conftest, no package)
+
+SEED = int(os.environ.get("FLASH_FUZZ_SEED", "0"))
+CASES = int(os.environ.get("FLASH_FUZZ_CASES", "10"))
+AVAILABLE = {k["name"]: k for k in list_kernels() if k["available"]}
+
+
+def draw_length(rng):
+    """N in 1..600, mostly short and ragged: N = 1, a tile edge (a multiple of 32, +-1) or any length."""
+    kind = rng.random()
+    if kind < 0.1:
+        return 1
+    if kind < 0.4:
+        return 32 * rng.randint(1, 18) + rng.choice([-1, 0, 1])
+    if kind < 0.7:
+        return rng.randint(2, 100)
+    return rng.randint(101, 600)
+
+
+def draw_scale(rng):
+    return None if rng.random() < 0.5 else round(rng.uniform(0.02, 1.0), 3)
+
+
+def report(failures, total, cases_to_rerun, test):
+    return (f"{len(failures)} of {total} random cases failed. Rerun them (with the cases before them):\n"
+            f"  FLASH_FUZZ_SEED={SEED} FLASH_FUZZ_CASES={cases_to_rerun} python -m pytest '{test}'\n"
+            + "\n".join(failures))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("kernel, dtype", [(name, dtype) for name, k in AVAILABLE.items() for dtype in k["dtypes"]])
+def test_kernel_on_random_problems(kernel, dtype):
+    rng = random.Random(f"{SEED}-{kernel}-{dtype}")
+    failures, last = [], 0
+    for index in range(CASES):
+        B, H, N = rng.randint(1, 3), rng.randint(1, 3), draw_length(rng)
+        d, causal, scale = rng.choice(AVAILABLE[kernel]["head_dims"]), rng.random() < 0.5, draw_scale(rng)
+        inputs_seed = rng.randrange(2**31)
+        g = torch.Generator(device="cuda").manual_seed(inputs_seed)
+        q, k, v, do = (torch.randn(B, H, N, d, device="cuda", dtype=DTYPES[dtype], generator=g) for _ in range(4))
+        try:
+            check(kernel, q, k, v, do, causal, scale)
+        except (AssertionError, RuntimeError) as error:  # RuntimeError: a failed launch; keep checking the rest
+            failures.append(f"case {index}: kernel={kernel} dtype={dtype} (B, H, N, d)=({B}, {H}, {N}, {d}) "
+                            f"causal={causal} softmax_scale={scale} q, k, v, dO = torch.randn(..., "
+                            f"generator=torch.Generator('cuda').manual_seed({inputs_seed})): {error}")
+            last = index
+    test = f"tests/test_fuzz.py::test_kernel_on_random_problems[{kernel}-{dtype}]"
+    assert not failures, report(failures, CASES, last + 1, test)
+
+
+def test_reference_with_random_block_sizes():
+    """Algorithms 1 and 2 must give dense attention's O and gradients for any B_r, B_c, not only tile-sized
+    ones: ragged last blocks, B_r != B_c, blocks of one row and blocks longer than N."""
+    rng = random.Random(f"{SEED}-reference")
+    failures, last = [], 0
+    for index in range(3 * CASES):
+        B, H, N, d = rng.randint(1, 2), rng.randint(1, 2), rng.randint(1, 150), rng.randint(1, 64)
+        B_r, B_c, causal, scale = rng.randint(1, 70), rng.randint(1, 70), rng.random() < 0.5, draw_scale(rng)
+        g = torch.Generator().manual_seed(rng.randrange(2**31))
+        q, k, v, do = (torch.randn(B, H, N, d, dtype=torch.float64, generator=g) for _ in range(4))
+        qg, kg, vg = (t.clone().requires_grad_() for t in (q, k, v))
+        o_ref = reference.attention(qg, kg, vg, causal, scale)
+        expected = [o_ref, *torch.autograd.grad(o_ref, (qg, kg, vg), do)]
+        o, L = reference.flash_forward(q, k, v, causal, scale, B_r=B_r, B_c=B_c)
+        found = [o, *reference.flash_backward(q, k, v, o, L, do, causal, scale, B_r=B_r, B_c=B_c)]
+        errors = {name: rel_err(x, r) for name, x, r in zip(["O", "dQ", "dK", "dV"], found, expected)}
+        if not max(errors.values()) <= 1e-9:
+            failures.append(f"case {index}: (B, H, N, d)=({B}, {H}, {N}, {d}) B_r={B_r} B_c={B_c} causal={causal} "
+                            f"softmax_scale={scale}: relative errors "
+                            + ", ".join(f"{name} {e:.1e}" for name, e in errors.items()))
+            last = index
+    test = "tests/test_fuzz.py::test_reference_with_random_block_sizes"
+    assert not failures, report(failures, 3 * CASES, (last + 3) // 3, test)
