@@ -11,12 +11,12 @@
 //   volta   fp16 forward on mma.m8n8k4: four quad pairs per warp, sm_70+  fwd 0.04x / 0.03x SDPA-flash on
 //           operands by plain loads, P_ij through shared memory;           sm_90, which runs m8n8k4 slowly
 //           backward: the fp32 kernel on upcast inputs                     (12 / 9 TFLOP/s; no V100 here)
-//   turing  fp16 forward on mma.m16n8k8 + ldmatrix, synchronous     sm_75+  fwd 0.60x / 0.46x SDPA-flash on
-//           loads, Q_i through the K_j/V_j buffers (64 KB SMs);            sm_90 (182 / 153 TFLOP/s; no T4
+//   turing  fp16 forward on mma.m16n8k8 + ldmatrix, synchronous     sm_75+  fwd 0.62x / 0.46x SDPA-flash on
+//           loads, Q_i through the K_j/V_j buffers (64 KB SMs);            sm_90 (183 / 154 TFLOP/s; no T4
 //           backward: the fp32 kernel on upcast inputs                     here)
-//   ampere  mma.m16n8k16 (fp16/bf16 in, fp32 sums), ldmatrix,      sm_80+  fwd 0.81x / 0.66x SDPA-flash,
-//           cp.async double buffering, Q_i and P_ij in registers;          fwd+bwd 0.51x / 0.50x
-//           backward on transposed products, dQ by atomics                 (246 / 220 TFLOP/s fwd)
+//   ampere  mma.m16n8k16 (fp16/bf16 in, fp32 sums), ldmatrix,      sm_80+  fwd 0.82x / 0.68x SDPA-flash,
+//           cp.async double buffering, Q_i and P_ij in registers;          fwd+bwd 0.51x / 0.52x
+//           backward on transposed products, dQ by atomics                 (242 / 229 TFLOP/s fwd)
 //
 // Every kernel sits behind one interface (bottom of this file): forward(kernel, Q, K, V, causal, scale)
 // returns O and L; backward(kernel, Q, K, V, O, L, dO, causal, scale) returns dQ, dK, dV. Tensors are
@@ -701,15 +701,15 @@ __device__ void cp_async_tile(T* dst, const T* src, int row0, int N) {
 // fp16/bf16 forward on Ampere tensor cores (sm_80+): FlashAttention-2, Algorithm 1.
 // The Turing kernel's work split and fragments, with one m16n8k16 where Turing issues two m16n8k8, and
 // with cp.async: K_j and V_j stream through two shared-memory stages, block j+1 arriving while block j is
-// multiplied. Grid (T_r, B*H); block of NW warps, B_r = 16*NW, B_c = 64; warp w owns rows 16w .. 16w+15.
+// multiplied. Grid (T_r, B*H); block of NW warps, B_r = 16*NW; warp w owns rows 16w .. 16w+15.
 // Per warp and block j (nt: 8-column tile, kk: 16-wide k slice):
 //   S_ij (16, B_c)  = Q_i (16, d) K_j^T (d, B_c)    d/16 x B_c/8 mma, S[nt][4]
 //   O_i  (16, d)   += P_ij (16, B_c) V_j (B_c, d)   B_c/16 x d/8 mma, O_i[nt][4]
-template <typename T, int d, int NW>
+template <typename T, int d, int NW, int B_c>
 __global__ void __launch_bounds__(NW * 32)
 flash_fwd_ampere(const T* __restrict__ Q, const T* __restrict__ K, const T* __restrict__ V, T* __restrict__ O,
                  float* __restrict__ L, int N, float scale_log2, bool causal) {
-  constexpr int B_r = 16 * NW, B_c = 64, ld = d + 8;
+  constexpr int B_r = 16 * NW, ld = d + 8;
   extern __shared__ __align__(16) unsigned char smem_raw[];
   T* Q_s = reinterpret_cast<T*>(smem_raw);  // Q_i           (B_r, d)    row stride ld, read once
   T* K_s = Q_s + B_r * ld;                  // K_j, 2 stages (2, B_c, d) row stride ld
@@ -988,10 +988,12 @@ void fwd_turing(const torch::Tensor& Q, const torch::Tensor& K, const torch::Ten
 template <typename T, int d>
 void fwd_ampere(const torch::Tensor& Q, const torch::Tensor& K, const torch::Tensor& V, torch::Tensor& O,
                 torch::Tensor& L, bool causal, float scale, cudaStream_t stream) {
-  constexpr int NW = d == 64 ? 8 : 4, B_r = 16 * NW, B_c = 64;  // d = 64: 8 warps share each K_j, V_j (8% faster)
+  // d = 64: 8 warps share each K_j, V_j (8% faster than 4). d = 128: B_c = 32 keeps S_ij small enough (164
+  // registers) for 3 blocks per SM instead of 2 (6% faster than B_c = 64 on an H200).
+  constexpr int NW = d == 64 ? 8 : 4, B_r = 16 * NW, B_c = d == 64 ? 64 : 32;
   const int N = Q.size(2), BH = Q.size(0) * Q.size(1);
   const size_t smem = sizeof(T) * (B_r + 4 * B_c) * (d + 8);
-  launch(flash_fwd_ampere<T, d, NW>, dim3((N + B_r - 1) / B_r, BH), NW * 32, smem, stream, ptr<T>(Q), ptr<T>(K),
+  launch(flash_fwd_ampere<T, d, NW, B_c>, dim3((N + B_r - 1) / B_r, BH), NW * 32, smem, stream, ptr<T>(Q), ptr<T>(K),
          ptr<T>(V), ptr<T>(O), ptr<float>(L), N, scale * LOG2E, causal);
 }
 
