@@ -113,7 +113,12 @@ def _validate(q, k, v, causal, softmax_scale, kernel):
     if q.shape[0] * q.shape[1] > MAX_GRID_Y:
         raise ValueError(f"B * H must be at most {MAX_GRID_Y}, got {q.shape[0]} * {q.shape[1]}")
 
-    dtype, d, arch = DTYPES[q.dtype], q.shape[-1], _arch(q.device)
+    return pick_kernel(DTYPES[q.dtype], q.shape[-1], _arch(q.device), kernel)
+
+
+def pick_kernel(dtype, d, arch, kernel="auto"):
+    """The kernel that runs dtype ("float16", ...) with head dim d on sm_<arch>: for "auto" the most specialised
+    that fits (float16: volta on sm_70, turing on sm_75, ampere from sm_80 on), else the one named if it fits."""
     fits = [n for n, kn in KERNELS.items() if dtype in kn["dtypes"] and d in kn["head_dims"] and arch >= kn["min_arch"]]
     if kernel == "auto":
         if not fits:

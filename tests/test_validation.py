@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from main import flash_attention, list_kernels
+from main import flash_attention, list_kernels, pick_kernel
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -47,6 +47,27 @@ def test_list_kernels_fields():
         assert set(k["dtypes"]) <= {"float32", "float16", "bfloat16"}
         assert all(isinstance(d, int) for d in k["head_dims"]) and isinstance(k["min_arch"], int)
         assert k["available"] == (torch.cuda.is_available() and k["min_arch"] <= 10 * torch.cuda.get_device_capability()[0] + torch.cuda.get_device_capability()[1])
+
+
+@pytest.mark.parametrize("dtype, d, arch, expected", [
+    ("float16", 64, 70, "volta"), ("float16", 128, 75, "turing"), ("float16", 64, 80, "ampere"),
+    ("float16", 128, 90, "ampere"), ("bfloat16", 64, 80, "ampere"), ("float32", 64, 70, "fp32"),
+    ("float32", 96, 90, "fp32"), ("float16", 96, 90, None), ("bfloat16", 64, 75, None),
+])
+def test_auto_picks_the_kernel_of_each_generation(dtype, d, arch, expected):
+    if expected is None:
+        with pytest.raises(ValueError, match=f"no kernel takes dtype {dtype} with head dim {d} on sm_{arch}"):
+            pick_kernel(dtype, d, arch)
+    else:
+        assert pick_kernel(dtype, d, arch) == expected
+
+
+def test_a_named_kernel_runs_on_any_gpu_that_can_execute_it():
+    assert pick_kernel("float16", 64, 90, "volta") == "volta" and pick_kernel("float16", 64, 90, "turing") == "turing"
+    with pytest.raises(ValueError, match="kernel 'turing' takes dtypes \\['float16'\\].*sm_75\\+; got float16, d=64, sm_70"):
+        pick_kernel("float16", 64, 70, "turing")
+    with pytest.raises(ValueError, match="kernel 'ampere'.*got bfloat16, d=64, sm_75. Kernels that fit: none"):
+        pick_kernel("bfloat16", 64, 75, "ampere")
 
 
 @cuda
