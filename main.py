@@ -179,11 +179,18 @@ def flash_attention(q, k, v, causal=False, softmax_scale=None, kernel="auto"):
 
 
 # ---------------------------------------------------------------------------------------------------------
-# python main.py: the self-check.
+# Measuring errors (the self-check below, tests/ and docs/make_accuracy.py), and python main.py.
 
-def _rel_err(x, ref):
+def rel_err(x, ref):
     """||x - ref|| / ||ref||, with a tiny floor: some exact gradients are zero (N = 1: dQ = dK = 0)."""
     return ((x.double() - ref).norm() / (ref.norm() + 1e-6 * ref.numel() ** 0.5)).item()
+
+
+def outputs(attention, q, k, v, do):
+    """[O, dQ, dK, dV]: attention(q, k, v) and its gradients for the loss sum(O * dO), on fresh leaf copies."""
+    q, k, v = (t.detach().clone().requires_grad_() for t in (q, k, v))
+    o = attention(q, k, v)
+    return [o, *torch.autograd.grad(o, (q, k, v), do)]
 
 
 def _median_ms(fn, reps=20):
@@ -206,12 +213,11 @@ def _check_cpu():
     print(f"{'N':>5} {'d':>4} {'causal':>6} {'err O':>9} {'err dQ':>9} {'err dK':>9} {'err dV':>9}")
     worst = 0.0
     for N, d, causal in [(1, 16, False), (65, 32, True), (200, 64, False), (200, 64, True)]:
-        q, k, v, do = (torch.randn(2, 3, N, d, dtype=torch.float64, requires_grad=True) for _ in range(4))
-        o_ref = reference.attention(q, k, v, causal)
-        grads_ref = torch.autograd.grad(o_ref, (q, k, v), do)
+        q, k, v, do = (torch.randn(2, 3, N, d, dtype=torch.float64) for _ in range(4))
+        exact = outputs(lambda q, k, v: reference.attention(q, k, v, causal), q, k, v, do)
         o, L = reference.flash_forward(q, k, v, causal, B_r=32, B_c=48)
         grads = reference.flash_backward(q, k, v, o, L, do, causal, B_r=32, B_c=48)
-        errs = [_rel_err(o, o_ref)] + [_rel_err(g, gr) for g, gr in zip(grads, grads_ref)]
+        errs = [rel_err(x, e) for x, e in zip([o, *grads], exact)]
         worst = max(worst, *errs)
         print(f"{N:>5} {d:>4} {str(causal):>6} " + " ".join(f"{e:9.1e}" for e in errs))
     assert worst < 1e-9, f"reference.py disagrees with dense attention: relative error {worst:.1e}"
@@ -237,13 +243,9 @@ def _check_gpu():
             dtype = getattr(torch, dtype_name)
             # correctness on a ragged causal problem: every error is relative to a float64 reference
             q, k, v, do = (torch.randn(2, 3, 200, 64, device="cuda", dtype=dtype) for _ in range(4))
-            q64, k64, v64 = (t.double().requires_grad_() for t in (q, k, v))
-            o_ref = reference.attention(q64, k64, v64, causal=True)
-            grads_ref = torch.autograd.grad(o_ref, (q64, k64, v64), do.double())
-            q, k, v = (t.requires_grad_() for t in (q, k, v))
-            o = flash_attention(q, k, v, causal=True, kernel=kn["name"])
-            grads = torch.autograd.grad(o, (q, k, v), do)
-            errs = [_rel_err(o, o_ref)] + [_rel_err(g, gr) for g, gr in zip(grads, grads_ref)]
+            exact = outputs(lambda q, k, v: reference.attention(q, k, v, causal=True), *(t.double() for t in (q, k, v, do)))
+            ours = outputs(lambda q, k, v: flash_attention(q, k, v, causal=True, kernel=kn["name"]), q, k, v, do)
+            errs = [rel_err(x, e) for x, e in zip(ours, exact)]
             # speed on a larger problem, against manual attention in the same dtype
             q, k, v = (torch.randn(8, 8, 1024, 64, device="cuda", dtype=dtype) for _ in range(3))
             ms = _median_ms(lambda: flash_attention(q, k, v, kernel=kn["name"]))

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 import reference  # noqa: E402  (the repository root is not a package)
-from main import flash_attention, list_kernels  # noqa: E402
+from main import flash_attention, list_kernels, outputs, rel_err  # noqa: E402
 
 B, H = 2, 4
 INTRO = """# Accuracy
@@ -66,17 +66,6 @@ fp16, 2^-8 for bf16, 2^-24 for fp32).
   correct. In the backward, a NaN in row r of q makes row r of dQ non-finite, leaves the other rows of dQ
   finite and correct, and reaches dK and dV through the keys row r sees.
 """
-
-
-def rel_err(x, ref):
-    return ((x.double() - ref).norm() / ref.norm()).item()
-
-
-def outputs(attention, q, k, v, do):
-    """O and the gradients of sum(O * dO)."""
-    q, k, v = (t.detach().clone().requires_grad_() for t in (q, k, v))
-    o = attention(q, k, v)
-    return [o, *torch.autograd.grad(o, (q, k, v), do)]
 
 
 def measure(kernel, dtype, d, N, causal):

@@ -18,8 +18,8 @@ import pytest
 import torch
 
 import reference
-from main import list_kernels
-from test_kernels import DTYPES, check, rel_err  # pytest puts tests/ on sys.path (rootdir conftest, no package)
+from main import list_kernels, rel_err
+from test_kernels import DTYPES, check  # pytest puts tests/ on sys.path (rootdir conftest, no package)
 
 SEED = int(os.environ.get("FLASH_FUZZ_SEED", "0"))
 CASES = int(os.environ.get("FLASH_FUZZ_CASES", "10"))

@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 import reference
-from main import flash_attention, list_kernels
+from main import flash_attention, list_kernels, outputs, rel_err
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -17,22 +17,11 @@ FLOOR = {torch.float32: 1e-6, torch.float16: 1e-4, torch.bfloat16: 1e-3}
 CASES = [(k["name"], dtype, d) for k in list_kernels() if k["available"] for dtype in k["dtypes"] for d in k["head_dims"]]
 
 
-def rel_err(x, ref):
-    return ((x.double() - ref).norm() / (ref.norm() + 1e-6 * ref.numel() ** 0.5)).item()
-
-
-def run(fn, q, k, v, do):
-    """Output and gradients of fn(q, k, v) for the loss <o, do>."""
-    q, k, v = (t.detach().clone().requires_grad_() for t in (q, k, v))
-    o = fn(q, k, v)
-    return [o, *torch.autograd.grad(o, (q, k, v), do)]
-
-
 def check(kernel, q, k, v, do, causal, scale=None):
     """Compare kernel and SDPA (same dtype) with float64; the kernel may err 3x as much as SDPA."""
-    ref = run(lambda q, k, v: reference.attention(q, k, v, causal, scale), q.double(), k.double(), v.double(), do.double())
-    ours = run(lambda q, k, v: flash_attention(q, k, v, causal=causal, softmax_scale=scale, kernel=kernel), q, k, v, do)
-    sdpa = run(lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale), q, k, v, do)
+    ref = outputs(lambda q, k, v: reference.attention(q, k, v, causal, scale), q.double(), k.double(), v.double(), do.double())
+    ours = outputs(lambda q, k, v: flash_attention(q, k, v, causal=causal, softmax_scale=scale, kernel=kernel), q, k, v, do)
+    sdpa = outputs(lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale), q, k, v, do)
     for name, x, s, r in zip(["O", "dQ", "dK", "dV"], ours, sdpa, ref):
         assert x.shape == r.shape and x.dtype == q.dtype, f"{name}: shape {x.shape} dtype {x.dtype}"
         assert torch.isfinite(x).all(), f"{name} has non-finite values"

@@ -9,8 +9,8 @@ import torch
 import torch.nn.functional as F
 
 import reference
-from main import flash_attention
-from test_kernels import CASES, DTYPES, FLOOR, check, rel_err, run  # tests/ is on sys.path under pytest
+from main import flash_attention, outputs, rel_err
+from test_kernels import CASES, DTYPES, FLOOR, check  # tests/ is on sys.path under pytest
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 # dQ is summed with fp32 atomics in an order that can change between runs; the two runs may differ by this
@@ -41,7 +41,7 @@ def sdpa(causal):
 def test_run_to_run_determinism(kernel, dtype, d, causal):
     """O, dK and dV are bit-identical between two runs; dQ, summed with atomics, is close."""
     q, k, v, do = problem(d, dtype, N=700, B=2, H=4)  # 6 to 22 blocks per head: many atomics race on dQ
-    (o1, dq1, dk1, dv1), (o2, dq2, dk2, dv2) = (run(ours(kernel, causal), q, k, v, do) for _ in range(2))
+    (o1, dq1, dk1, dv1), (o2, dq2, dk2, dv2) = (outputs(ours(kernel, causal), q, k, v, do) for _ in range(2))
     for name, a, b in [("O", o1, o2), ("dK", dk1, dk2), ("dV", dv1, dv2)]:
         assert torch.equal(a, b), f"{name} differs between two runs by up to {(a - b).abs().max().item():.1e}"
     assert rel_err(dq1, dq2.double()) <= DQ_RUN_TO_RUN[dtype], f"dQ: runs differ by {rel_err(dq1, dq2.double()):.1e}"
@@ -146,9 +146,9 @@ def test_nan_and_inf_in_q_reach_the_gradients(kernel, dtype, d, bad, causal):
     reads row i of dS only); dK and dV are non-finite wherever row ROW's weights reach them. Same in SDPA."""
     q, k, v, do = problem(d, dtype)
     q[0, 0, ROW, COL] = bad
-    _, dq64, _, _ = run(lambda q, k, v: reference.attention(q, k, v, causal), q.double(), k.double(), v.double(),
+    _, dq64, _, _ = outputs(lambda q, k, v: reference.attention(q, k, v, causal), q.double(), k.double(), v.double(),
                         do.double())
-    grads = {"ours": run(ours(kernel, causal), q, k, v, do)[1:], "SDPA": run(sdpa(causal), q, k, v, do)[1:]}
+    grads = {"ours": outputs(ours(kernel, causal), q, k, v, do)[1:], "SDPA": outputs(sdpa(causal), q, k, v, do)[1:]}
     for name, (dq, dk, dv) in grads.items():
         nonfinite = nonfinite_rows(dq)
         assert rows(nonfinite) == [ROW] and not nonfinite[:, 1:].any(), \
