@@ -32,6 +32,7 @@
 #ifndef __CUDACC_RTC__  // NVRTC compiles the kernels alone (.ci/check_sm70.py: the sm_70 build)
 #include <torch/extension.h>
 #include <cuda_runtime.h>
+#include <cudaTypedefs.h>  // PFN_cuTensorMapEncodeTiled (the Hopper kernel's tensor maps)
 #endif
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -902,6 +903,209 @@ flash_bwd_ampere(const T* __restrict__ Q, const T* __restrict__ K, const T* __re
   }
 }
 
+// ------------------------------------------------------------------------------------------------------
+// Hopper (sm_90a): TMA, wgmma and warp specialisation. What changes from Ampere:
+// - TMA (the tensor memory accelerator) copies a whole tile from global to shared memory by itself: one
+//   thread issues cp.async.bulk.tensor with a tensor map (built on the host: the tensor's shape and
+//   strides, the box to copy, the swizzle), and the copy counts its bytes down on an mbarrier in shared
+//   memory; threads that need the tile wait on that barrier. Rows past N arrive as zeros.
+// - wgmma: a warpgroup (4 consecutive warps, 128 threads) computes a 64 x n x 16 product in one
+//   asynchronous instruction, reading B, and A if it is not in registers, from shared memory through a
+//   64-bit descriptor. Warp w of the group holds rows 16w .. 16w+15 of the fp32 result in the m16n8
+//   accumulator layout of the Ampere section, and an A operand in registers uses the m16n8k16 A layout,
+//   so online_softmax, exp_and_pack and write_O_L apply unchanged and P_ij goes from the accumulators of
+//   S_ij straight into O_i += P_ij V_j, as on Ampere.
+// - Warp specialisation: one warpgroup only loads (the producer) and hands most of its registers to the
+//   warpgroups that only compute (the consumers) with setmaxnreg.
+// Shared memory holds each tile as d/64 panels of (rows, 64): 128 bytes per row, and within each 1024-byte
+// group of 8 rows the 16-byte piece c of row r sits at piece c ^ (r % 8) (TMA's and wgmma's 128-byte
+// swizzle), so the 8 rows of a 16-byte column fall in 8 different bank groups. A descriptor gives a
+// panel's start address, SBO = 1024 (bytes from one group of 8 rows to the next) and, for an operand that
+// spans two panels along n, LBO (bytes from one panel to the next).
+#ifndef __CUDACC_RTC__  // NVRTC (the sm_70 check) compiles the sections above only
+#include <cuda.h>       // CUtensorMap
+#include <type_traits>
+#if defined(__CUDA_ARCH__) && !defined(__CUDA_ARCH_FEAT_SM90_ALL)
+#define SM90A 0  // wgmma and setmaxnreg exist on sm_90a only: other targets get an empty kernel
+#else
+#define SM90A 1
+#endif
+
+__device__ inline uint32_t smem_addr(const void* p) { return static_cast<uint32_t>(__cvta_generic_to_shared(p)); }
+
+// An mbarrier counts arrivals and transaction bytes; its phase completes when the expected arrivals have
+// come and the expected bytes have landed, and then the next phase begins. Waiters name the phase by parity.
+__device__ inline void mbar_init(uint32_t bar, int arrivals) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(bar), "r"(arrivals));
+}
+__device__ inline void mbar_arrive(uint32_t bar) {
+  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(bar) : "memory");
+}
+__device__ inline void mbar_arrive_expect_bytes(uint32_t bar, uint32_t bytes) {  // arrive; `bytes` more to land
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(bar), "r"(bytes) : "memory");
+}
+__device__ inline void mbar_wait(uint32_t bar, int parity) {  // until the phase of this parity has completed
+  uint32_t done = 0;
+  while (!done)
+    asm volatile("{ .reg .pred p; mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2; selp.u32 %0, 1, 0, p; }"
+                 : "=r"(done) : "r"(bar), "r"(parity) : "memory");
+}
+
+// for (r, c) in the map's box (rows, 64): dst[swizzled (r, c)] = X[head][row + r][col + c], zero past N;
+// the copy runs on its own and counts its bytes on bar.
+__device__ inline void tma_load(uint32_t dst, const CUtensorMap& map, int col, int row, int head, uint32_t bar) {
+  asm volatile("cp.async.bulk.tensor.3d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3, %4}], [%5];"
+               ::"r"(dst), "l"(reinterpret_cast<uint64_t>(&map)), "r"(col), "r"(row), "r"(head), "r"(bar) : "memory");
+}
+
+// The descriptor of a 128-byte-swizzled operand at shared address addr (1024-aligned panel + k offset).
+__device__ inline uint64_t smem_desc(uint32_t addr, uint32_t lbo) {
+  return (addr & 0x3FFFF) >> 4 | uint64_t(lbo >> 4) << 16 | uint64_t(1024 >> 4) << 32 | 1ull << 62;
+}
+
+// wgmma.fence: registers written by ordinary instructions (P_ij, the rescaled O_i) are ready for wgmma.
+// commit_group closes a group of the wgmma issued so far; wait_group 0 blocks until all groups are done.
+// The empty asm statements after the wait keep the compiler from reading acc before that point.
+__device__ inline void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;" ::: "memory"); }
+__device__ inline void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory"); }
+template <int tiles>
+__device__ inline void wgmma_wait(float (&acc)[tiles][4]) {
+  asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory");
+  for (int nt = 0; nt < tiles; nt++)
+    for (int e = 0; e < 4; e++) asm volatile("" : "+f"(acc[nt][e])::"memory");
+}
+
+#define ACC4(i) "+f"(acc[i][0]), "+f"(acc[i][1]), "+f"(acc[i][2]), "+f"(acc[i][3])
+#define ACC_N64 ACC4(0), ACC4(1), ACC4(2), ACC4(3), ACC4(4), ACC4(5), ACC4(6), ACC4(7)
+#define ACC_N128 ACC_N64, ACC4(8), ACC4(9), ACC4(10), ACC4(11), ACC4(12), ACC4(13), ACC4(14), ACC4(15)
+#define REGS_N64 "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, " \
+                 "%20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}"
+#define REGS_N128 "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, "  \
+                  "%20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, " \
+                  "%38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, " \
+                  "%56, %57, %58, %59, %60, %61, %62, %63}"
+
+// S (64, 128) = A (64, 16) B (16, 128), or S += A B when accumulate: for (m, n): S[m][n] (+)= sum_k
+// A[m][k] * B[k][n], k < 16, fp32 sums. A and B in shared memory, both K-major (rows of A, columns of B
+// contiguous along k: Q_i and K_j as stored). Lane (warp w, g, t) holds S[16w + g (+8)][8nt + 2t (+1)].
+template <typename T>
+__device__ inline void wgmma_m64n128k16_ss(float (&acc)[16][4], uint64_t a, uint64_t b, bool accumulate) {
+#define WGMMA_SS(TY) asm volatile("{ .reg .pred p; setp.ne.b32 p, %66, 0; wgmma.mma_async.sync.aligned.m64n128k16" \
+                                  ".f32." TY "." TY " " REGS_N128 ", %64, %65, p, 1, 1, 0, 0; }"                   \
+                                  : ACC_N128 : "l"(a), "l"(b), "r"(int(accumulate)))
+  if constexpr (std::is_same_v<T, __half>) WGMMA_SS("f16"); else WGMMA_SS("bf16");
+}
+
+// O (64, n) += A (64, 16) B (16, n), n = 64 or 128, with A in registers (a: the m16n8k16 A fragment of this
+// warp's 16 rows) and B in shared memory N-major (rows of B contiguous along n: V_j as stored; the last
+// immediate, imm-trans-b = 1, says so).
+template <typename T, int n>
+__device__ inline void wgmma_m64nNk16_rs(float (&acc)[n / 8][4], const uint32_t (&a)[4], uint64_t b) {
+#define WGMMA_RS(N, TY, REGS, OPS, ACC) asm volatile("wgmma.mma_async.sync.aligned.m64n" N "k16.f32." TY "." TY " " \
+                                                     REGS ", " OPS ", 1, 1, 1, 1;"                                   \
+                                                     : ACC : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b))
+  constexpr bool half = std::is_same_v<T, __half>;
+  if constexpr (n == 64 && half) WGMMA_RS("64", "f16", REGS_N64, "{%32, %33, %34, %35}, %36", ACC_N64);
+  if constexpr (n == 64 && !half) WGMMA_RS("64", "bf16", REGS_N64, "{%32, %33, %34, %35}, %36", ACC_N64);
+  if constexpr (n == 128 && half) WGMMA_RS("128", "f16", REGS_N128, "{%64, %65, %66, %67}, %68", ACC_N128);
+  if constexpr (n == 128 && !half) WGMMA_RS("128", "bf16", REGS_N128, "{%64, %65, %66, %67}, %68", ACC_N128);
+}
+
+// fp16/bf16 forward on Hopper (sm_90a): FlashAttention-2's Algorithm 1 with the FlashAttention-3 machinery.
+// Grid (T_r, B*H); 1 + NWG warpgroups; B_r = 64*NWG, B_c = 128. Warpgroup 0 is the producer: one of its
+// threads issues every TMA load. Warpgroup c = 1..NWG is a consumer owning rows 64(c-1) .. 64c-1 of Q_i,
+// S_ij and O_i; per block j it computes, with the m16n8 fragments of the Ampere kernel per warp:
+//   S_ij (64, B_c)  = Q_i (64, d) K_j^T (d, B_c)    d/16 wgmma m64n128k16, A and B from shared memory
+//   O_i  (64, d)   += P_ij (64, B_c) V_j (B_c, d)   B_c/16 wgmma m64n{d}k16, A (P_ij) from registers
+// K_j, V_j stream through STAGES shared-memory stages; full[s] completes when stage s has landed, empty[s]
+// when every consumer warp is done reading it. Over time (STAGES = 2, NWG = 2):
+//   producer     Q_i,K_0,V_0>s0  K_1,V_1>s1  wait empty[0]  K_2,V_2>s0  wait empty[1]  K_3,V_3>s1 ...
+//   consumer 1   wait full[0]  S=QK^T  softmax  O+=PV  arrive empty[0]  wait full[1]  S=QK^T ...
+//   consumer 2   wait full[0]    S=QK^T  softmax  O+=PV  arrive empty[0]  wait full[1]  S=QK^T ...
+// The two consumers drift apart, so one's softmax (CUDA cores) overlaps the other's wgmma (tensor cores).
+template <typename T, int d, int NWG>
+__global__ void __launch_bounds__(128 * (NWG + 1), 1)
+flash_fwd_hopper(const __grid_constant__ CUtensorMap Q_map, const __grid_constant__ CUtensorMap K_map,
+                 const __grid_constant__ CUtensorMap V_map, T* __restrict__ O, float* __restrict__ L, int N,
+                 float scale_log2, bool causal) {
+#if SM90A
+  constexpr int B_r = 64 * NWG, B_c = 128, STAGES = 2;
+  constexpr uint32_t Q_bytes = B_r * d * sizeof(T), KV_bytes = B_c * d * sizeof(T);  // one tile
+  // Registers per thread after setmaxnreg (multiples of 8; all warpgroups together within the 64 K of an SM)
+  constexpr int producer_regs = 24, consumer_regs = NWG == 2 ? 240 : 160;
+  extern __shared__ unsigned char smem_raw[];
+  const uint32_t Q_s = (smem_addr(smem_raw) + 1023) & ~1023u;    // Q_i (B_r, d); swizzling needs 1024-alignment
+  auto K_s = [&](int s) { return Q_s + Q_bytes + 2 * s * KV_bytes; };  // K_j in stage s (B_c, d)
+  auto V_s = [&](int s) { return K_s(s) + KV_bytes; };                  // V_j in stage s (B_c, d)
+  const uint32_t Q_full = Q_s + Q_bytes + 2 * STAGES * KV_bytes;        // then the mbarriers, 8 bytes each
+  auto full = [&](int s) { return Q_full + 8 * (1 + s); };
+  auto empty = [&](int s) { return Q_full + 8 * (1 + STAGES + s); };
+  const int wg = threadIdx.x / 128, i = gridDim.x - 1 - blockIdx.x, row0 = i * B_r, head = blockIdx.y;
+  const int T_c = (N + B_c - 1) / B_c;
+  const int j_end = causal ? min(T_c, (row0 + B_r - 1) / B_c + 1) : T_c;  // causal: blocks past the diagonal skipped
+
+  if (threadIdx.x == 0) {
+    mbar_init(Q_full, 1);
+    for (int s = 0; s < STAGES; s++) mbar_init(full(s), 1), mbar_init(empty(s), 4 * NWG);
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");  // initialised before TMA signals them
+  }
+  __syncthreads();  // no thread waits on a barrier before it is initialised
+
+  if (wg == 0) {  // producer
+    asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;" ::"n"(producer_regs));
+    if (threadIdx.x == 0) {
+      mbar_arrive_expect_bytes(Q_full, Q_bytes);                                   // l.5: load Q_i
+      for (int c = 0; c < d / 64; c++) tma_load(Q_s + c * B_r * 128, Q_map, 64 * c, row0, head, Q_full);
+      for (int j = 0; j < j_end; j++) {                                            // l.8: load K_j, V_j
+        const int s = j % STAGES;
+        if (j >= STAGES) mbar_wait(empty(s), (j / STAGES - 1) % 2);  // block j - STAGES is out of stage s
+        mbar_arrive_expect_bytes(full(s), 2 * KV_bytes);
+        for (int c = 0; c < d / 64; c++) {
+          tma_load(K_s(s) + c * B_c * 128, K_map, 64 * c, j * B_c, head, full(s));
+          tma_load(V_s(s) + c * B_c * 128, V_map, 64 * c, j * B_c, head, full(s));
+        }
+      }
+    }
+  } else {  // consumer warpgroup wg: rows 64(wg-1) .. 64wg-1 of the block
+    asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;" ::"n"(consumer_regs));
+    const int warp = threadIdx.x / 32 % 4, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
+    const int r = row0 + 64 * (wg - 1) + 16 * warp + g;  // this lane's rows are r and r + 8
+    const uint32_t Q_wg = Q_s + 64 * (wg - 1) * 128;     // this warpgroup's 64 rows of each Q_i panel
+    float O_i[d / 8][4] = {}, m_i[2] = {-INFINITY, -INFINITY}, l_i[2] = {0.f, 0.f};  // l.6
+    mbar_wait(Q_full, 0);
+    for (int j = 0; j < j_end; j++) {                                              // l.7
+      const int s = j % STAGES;
+      mbar_wait(full(s), (j / STAGES) % 2);  // K_j and V_j have landed in stage s
+
+      float S[B_c / 8][4];                                                         // l.9: S_ij = Q_i K_j^T
+      wgmma_fence();
+      for (int kk = 0; kk < d / 16; kk++)  // k slice kk: 32 bytes * (kk % 4) into panel kk / 4
+        wgmma_m64n128k16_ss<T>(S, smem_desc(Q_wg + kk / 4 * B_r * 128 + kk % 4 * 32, 0),
+                               smem_desc(K_s(s) + kk / 4 * B_c * 128 + kk % 4 * 32, 0), kk > 0);
+      wgmma_commit();
+      wgmma_wait(S);
+      const bool masked = causal ? (j + 1) * B_c > row0 : (j + 1) * B_c > N;  // any masked entry in block?
+      online_softmax<B_c, d>(S, m_i, l_i, O_i, r, j * B_c + 2 * t, N, masked, causal, scale_log2);  // l.10
+
+      uint32_t P[B_c / 16][4];  // the S accumulators of tiles 2kk, 2kk+1 are the A fragment of k slice kk
+      for (int kk = 0; kk < B_c / 16; kk++) {
+        exp_and_pack<T>(P[kk][0], P[kk][1], S[2 * kk], m_i, l_i);      // keys 16kk .. 16kk+7
+        exp_and_pack<T>(P[kk][2], P[kk][3], S[2 * kk + 1], m_i, l_i);  // keys 16kk+8 .. 16kk+15
+      }
+      wgmma_fence();                                                               // l.11: O_i += P_ij V_j
+      for (int kk = 0; kk < B_c / 16; kk++)  // keys 16kk .. 16kk+15: 16 rows of V_j, 2048 bytes per slice
+        wgmma_m64nNk16_rs<T, d>(O_i, P[kk], smem_desc(V_s(s) + kk * 2048, B_c * 128));
+      wgmma_commit();
+      wgmma_wait(O_i);
+      __syncwarp();
+      if (lane == 0) mbar_arrive(empty(s));  // this warp has finished reading stage s
+    }
+    write_O_L<T, d>(O_i, m_i, l_i, O + (size_t)head * N * d, L + (size_t)head * N, r, t, N);  // l.13-16
+  }
+#endif
+}
+#endif  // __CUDACC_RTC__
+
 #ifndef __CUDACC_RTC__
 // ------------------------------------------------------------------------------------------------------
 // Host side: one launcher per kernel, one dispatcher for all of them.
@@ -1009,6 +1213,42 @@ void bwd_ampere(const torch::Tensor& Q, const torch::Tensor& K, const torch::Ten
          N, scale, causal);
 }
 
+// A TMA tensor map of X (B, H, N, d), seen as (B*H, N, d): boxes of (rows, 64) elements, stored with the
+// 128-byte swizzle; rows past N read as zeros. The driver function that encodes it is looked up at run
+// time, so the extension needs no link against libcuda.
+CUtensorMap tensor_map(const torch::Tensor& X, int rows) {
+  static PFN_cuTensorMapEncodeTiled_v12000 encode = nullptr;
+  if (!encode) {
+    cudaDriverEntryPointQueryResult found;
+    CUDA_CHECK(cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", reinterpret_cast<void**>(&encode), 12000,
+                                                cudaEnableDefault, &found));
+    TORCH_CHECK(found == cudaDriverEntryPointSuccess, "the CUDA driver has no cuTensorMapEncodeTiled");
+  }
+  const cuuint64_t d = X.size(3), N = X.size(2), bytes = X.element_size();
+  const cuuint64_t dims[3] = {d, N, cuuint64_t(X.size(0) * X.size(1))}, strides[2] = {d * bytes, N * d * bytes};
+  const cuuint32_t box[3] = {64, cuuint32_t(rows), 1}, steps[3] = {1, 1, 1};
+  CUtensorMap map;
+  const CUresult err = encode(&map, X.scalar_type() == torch::kHalf ? CU_TENSOR_MAP_DATA_TYPE_FLOAT16
+                                                                     : CU_TENSOR_MAP_DATA_TYPE_BFLOAT16,
+                              3, X.data_ptr(), dims, strides, box, steps, CU_TENSOR_MAP_INTERLEAVE_NONE,
+                              CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+                              CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  TORCH_CHECK(err == CUDA_SUCCESS, "cuTensorMapEncodeTiled failed with CUresult ", int(err));
+  return map;
+}
+
+template <typename T, int d>
+void fwd_hopper(const torch::Tensor& Q, const torch::Tensor& K, const torch::Tensor& V, torch::Tensor& O,
+                torch::Tensor& L, bool causal, float scale, cudaStream_t stream) {
+  constexpr int NWG = 2, B_r = 64 * NWG, B_c = 128, STAGES = 2;  // as in the kernel
+  const int N = Q.size(2), BH = Q.size(0) * Q.size(1);
+  // Q_i and STAGES stages of K_j, V_j, the mbarriers, and 1 KB of slack to align the tiles to 1024 bytes
+  const size_t smem = sizeof(T) * (B_r + 2 * STAGES * B_c) * d + 8 * (1 + 2 * STAGES) + 1024;
+  launch(flash_fwd_hopper<T, d, NWG>, dim3((N + B_r - 1) / B_r, BH), 128 * (NWG + 1), smem, stream,
+         tensor_map(Q, B_r), tensor_map(K, B_c), tensor_map(V, B_c), ptr<T>(O), ptr<float>(L), N, scale * LOG2E,
+         causal);
+}
+
 // D = rowsum(dO o O) for every row of every head: 8 rows (one per warp) per block of 256 threads.
 template <typename T>
 void launch_preprocess(const torch::Tensor& O, const torch::Tensor& dO, torch::Tensor& D, cudaStream_t stream) {
@@ -1059,6 +1299,8 @@ std::vector<torch::Tensor> forward(const std::string& kernel, const torch::Tenso
     });
   else if (kernel == "ampere")
     with_type_and_head_dim(Q, [&]<typename T, int d>() { fwd_ampere<T, d>(Q, K, V, O, L, causal, scale, stream); });
+  else if (kernel == "hopper")
+    with_type_and_head_dim(Q, [&]<typename T, int d>() { fwd_hopper<T, d>(Q, K, V, O, L, causal, scale, stream); });
   else
     TORCH_CHECK(false, "unknown kernel '", kernel, "'");
   return {O, L};

@@ -18,7 +18,7 @@ ROOT = os.path.dirname(os.path.abspath(__file__))
 
 # One entry per kernel in flash.cu (its index at the top of that file says what each adds), from the most
 # general to the most specialised. dtypes: input dtypes it takes; head_dims: values of d it is compiled
-# for; min_arch: 10 * major + minor; backward_kernel: the kernel that computes its gradients (a kernel
+# for; min_arch (max_arch): the oldest (newest) GPU it runs on, 10 * major + minor; backward_kernel: the kernel that computes its gradients (a kernel
 # without a backward of its own hands them to "fp32", on inputs upcast to float32).
 KERNELS = {
     "fp32": dict(dtypes=("float32",), head_dims=(16, 32, 64, 96, 128), min_arch=70, backward_kernel="fp32",
@@ -29,6 +29,8 @@ KERNELS = {
                    about="Turing tensor cores: mma.m16n8k8, ldmatrix, synchronous loads, 64 KB of shared memory"),
     "ampere": dict(dtypes=("float16", "bfloat16"), head_dims=(64, 128), min_arch=80, backward_kernel="ampere",
                    about="FlashAttention-2 on tensor cores: mma.m16n8k16, ldmatrix, cp.async"),
+    "hopper": dict(dtypes=("float16", "bfloat16"), head_dims=(64, 128), min_arch=90, max_arch=90,
+                   backward_kernel="ampere", about="Hopper: TMA, wgmma, producer and consumer warpgroups (sm_90a)"),
 }
 DTYPES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
 MAX_GRID_Y = 65535  # B*H is the grid's y dimension
@@ -39,17 +41,37 @@ def _arch(device=None):
     return 10 * major + minor
 
 
+def _runs_on(kn, arch, sm90a=True):
+    """Whether kernel kn runs on sm_<arch>; sm90a: the build targets sm_90a (wgmma and setmaxnreg exist
+    only there, and sm_90a code runs on sm_90 only)."""
+    return kn["min_arch"] <= arch <= kn.get("max_arch", arch) and (sm90a or kn.get("max_arch") != 90)
+
+
 def list_kernels():
     """One dict per kernel: name, dtypes, backward (has a backward kernel of its own), backward_kernel,
-    head_dims, min_arch, available (runs on this GPU), about."""
+    head_dims, min_arch, max_arch (None: any newer GPU), available (runs on this GPU), about."""
     arch = _arch() if torch.cuda.is_available() else 0
     return [dict(name=name, dtypes=list(k["dtypes"]), backward=k["backward_kernel"] == name,
                  backward_kernel=k["backward_kernel"], head_dims=list(k["head_dims"]), min_arch=k["min_arch"],
-                 available=arch >= k["min_arch"], about=k["about"])
+                 max_arch=k.get("max_arch"), available=arch > 0 and _runs_on(k, arch, _builds_sm90a()),
+                 about=k["about"])
             for name, k in KERNELS.items()]
 
 
 _extension = None
+
+
+def _arch_list():
+    """The targets flash.cu is built for: TORCH_CUDA_ARCH_LIST, else this GPU (9.0a on Hopper)."""
+    arch_list = os.environ.get("TORCH_CUDA_ARCH_LIST")
+    if not arch_list:
+        major, minor = torch.cuda.get_device_capability()
+        arch_list = f"{major}.{minor}" + ("a" if major == 9 else "")  # sm_90a unlocks Hopper-only instructions
+    return arch_list
+
+
+def _builds_sm90a():
+    return "9.0a" in _arch_list()
 
 
 def load():
@@ -58,10 +80,7 @@ def load():
     if _extension is not None:
         return _extension
     from torch.utils.cpp_extension import load as load_extension
-    arch_list = os.environ.get("TORCH_CUDA_ARCH_LIST")
-    if not arch_list:
-        major, minor = torch.cuda.get_device_capability()
-        arch_list = f"{major}.{minor}" + ("a" if major == 9 else "")  # sm_90a unlocks Hopper-only instructions
+    arch_list = _arch_list()
     tag = "sm" + "_".join(a.replace(".", "").replace("+PTX", "ptx") for a in arch_list.replace(",", ";").split(";")
                           if a.strip())
     name = f"flash_{tag}".replace(" ", "")
@@ -113,25 +132,31 @@ def _validate(q, k, v, causal, softmax_scale, kernel):
     if q.shape[0] * q.shape[1] > MAX_GRID_Y:
         raise ValueError(f"B * H must be at most {MAX_GRID_Y}, got {q.shape[0]} * {q.shape[1]}")
 
-    return pick_kernel(DTYPES[q.dtype], q.shape[-1], _arch(q.device), kernel)
+    return pick_kernel(DTYPES[q.dtype], q.shape[-1], _arch(q.device), kernel, _builds_sm90a())
 
 
-def pick_kernel(dtype, d, arch, kernel="auto"):
+def pick_kernel(dtype, d, arch, kernel="auto", sm90a=True):
     """The kernel that runs dtype ("float16", ...) with head dim d on sm_<arch>: for "auto" the most specialised
-    that fits (float16: volta on sm_70, turing on sm_75, ampere from sm_80 on), else the one named if it fits."""
-    fits = [n for n, kn in KERNELS.items() if dtype in kn["dtypes"] and d in kn["head_dims"] and arch >= kn["min_arch"]]
+    that fits (float16: volta on sm_70, turing on sm_75, ampere from sm_80 on, hopper on sm_90), else the one
+    named if it fits. sm90a: flash.cu is built for sm_90a (the hopper kernel needs it)."""
+    fits = [n for n, kn in KERNELS.items()
+            if dtype in kn["dtypes"] and d in kn["head_dims"] and _runs_on(kn, arch, sm90a)]
     if kernel == "auto":
         if not fits:
             raise ValueError(f"no kernel takes dtype {dtype} with head dim {d} on sm_{arch}; kernels: "
-                             + "; ".join(f"{n}: {kn['dtypes']}, d in {kn['head_dims']}, sm_{kn['min_arch']}+"
+                             + "; ".join(f"{n}: {kn['dtypes']}, d in {kn['head_dims']}, {_gpus(kn)}"
                                          for n, kn in KERNELS.items()))
         return fits[-1]  # KERNELS is ordered from the most general to the most specialised
     if kernel not in fits:
         kn = KERNELS[kernel]
         raise ValueError(f"kernel {kernel!r} takes dtypes {list(kn['dtypes'])}, head dims {list(kn['head_dims'])} "
-                         f"and sm_{kn['min_arch']}+; got {dtype}, d={d}, sm_{arch}. "
+                         f"and {_gpus(kn)}; got {dtype}, d={d}, sm_{arch}. "
                          f"Kernels that fit: {fits or 'none'}")
     return kernel
+
+
+def _gpus(kn):
+    return f"sm_{kn['min_arch']} (built for sm_90a)" if kn.get("max_arch") == 90 else f"sm_{kn['min_arch']}+"
 
 
 def _prepare(t):
@@ -237,7 +262,7 @@ def _check_gpu():
     failed = []
     for kn in list_kernels():
         if not kn["available"]:
-            print(f"{kn['name']:<8} not available on this GPU (needs sm_{kn['min_arch']})")
+            print(f"{kn['name']:<8} not available on this GPU (needs {_gpus(kn)})")
             continue
         for dtype_name in kn["dtypes"]:
             dtype = getattr(torch, dtype_name)
