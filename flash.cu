@@ -513,16 +513,17 @@ template <> __device__ uint32_t pack<__nv_bfloat16>(float lo, float hi) {
   return *reinterpret_cast<uint32_t*>(&h);
 }
 
-// Three steps of the forward shared by the Turing and Ampere kernels. In the m16n8 accumulator layout a
+// Steps of the forward shared by the Turing, Ampere and Hopper kernels. In the m16n8 accumulator layout a
 // lane holds rows g and g+8 (h = e / 2) and columns 2t, 2t+1 (e % 2) of every 16 x 8 tile of the warp's
 // 16 rows; r is this lane's row g as a row of Q.
 
-// l.10 and the rescaling in l.11: masks S_ij (16, B_c) (causal, or keys past N; c0 = key of tile 0,
-// column 2t), scales it to base-2 units, updates m_i, and multiplies l_i and O_i by e^(m_i^(j-1) - m_i^(j))
-// (exp2 of the difference of the base-2 m_i).
-template <int B_c, int d>
-__device__ void online_softmax(float (&S)[B_c / 8][4], float (&m_i)[2], float (&l_i)[2], float (&O_i)[d / 8][4],
-                               int r, int c0, int N, bool masked, bool causal, float scale_log2) {
+// l.10: masks S_ij (16, B_c) (causal, or keys past N; c0 = key of tile 0, column 2t), scales it to base-2
+// units, updates m_i, and multiplies l_i by alpha = e^(m_i^(j-1) - m_i^(j)) (exp2 of the difference of the
+// base-2 m_i). O_i gets the same factor from rescale (l.11), a separate step because the Hopper kernel
+// must first wait for the product still accumulating into O_i.
+template <int B_c>
+__device__ void online_softmax(float (&S)[B_c / 8][4], float (&m_i)[2], float (&l_i)[2], float (&alpha)[2], int r,
+                               int c0, int N, bool masked, bool causal, float scale_log2) {
   float rowmax[2] = {m_i[0], m_i[1]};
   for (int nt = 0; nt < B_c / 8; nt++)
     for (int e = 0; e < 4; e++) {
@@ -533,11 +534,16 @@ __device__ void online_softmax(float (&S)[B_c / 8][4], float (&m_i)[2], float (&
   for (int h = 0; h < 2; h++) {  // the 4 lanes of a quad (same g) hold one row: reduce across them
     rowmax[h] = fmaxf(rowmax[h], __shfl_xor_sync(~0u, rowmax[h], 1));
     rowmax[h] = fmaxf(rowmax[h], __shfl_xor_sync(~0u, rowmax[h], 2));
-    const float alpha = exp2f(m_i[h] - rowmax[h]);  // m^(j) is finite: every row sees key 0 in block 0
+    alpha[h] = exp2f(m_i[h] - rowmax[h]);  // m^(j) is finite: every row sees key 0 in block 0
     m_i[h] = rowmax[h];
-    l_i[h] *= alpha;
-    for (int nt = 0; nt < d / 8; nt++) O_i[nt][2 * h] *= alpha, O_i[nt][2 * h + 1] *= alpha;
+    l_i[h] *= alpha[h];
   }
+}
+
+template <int d>
+__device__ void rescale(float (&O_i)[d / 8][4], const float (&alpha)[2]) {
+  for (int nt = 0; nt < d / 8; nt++)
+    for (int e = 0; e < 4; e++) O_i[nt][e] *= alpha[e / 2];
 }
 
 // P_ij = exp(S_ij - m_i) for one 16 x 8 accumulator tile s, packed as the two A-fragment registers that
@@ -615,8 +621,9 @@ flash_fwd_turing(const __half* __restrict__ Q, const __half* __restrict__ K, con
         mma_m16n8k8_x2(S[nt + 1], Q_frag[kk], b[2], b[3]);
       }
     const bool masked = causal ? (j + 1) * B_c > row0 : (j + 1) * B_c > N;  // any masked entry in block?
-    online_softmax<B_c, d>(S, m_i, l_i, O_i, row0 + 16 * warp + g, j * B_c + 2 * t, N, masked, causal,  // l.10
-                           scale_log2);
+    float alpha[2];  // l.10, and the rescaling of O_i in l.11
+    online_softmax<B_c>(S, m_i, l_i, alpha, row0 + 16 * warp + g, j * B_c + 2 * t, N, masked, causal, scale_log2);
+    rescale<d>(O_i, alpha);
     for (int kk = 0; kk < B_c / 16; kk++) {                                 // l.11: O_i += P_ij V_j
       uint32_t P_frag[4];  // the S accumulators of tiles 2kk, 2kk+1 are the A fragment of slice kk
       exp_and_pack<__half>(P_frag[0], P_frag[1], S[2 * kk], m_i, l_i);      // keys 16kk .. 16kk+7
@@ -754,8 +761,9 @@ flash_fwd_ampere(const T* __restrict__ Q, const T* __restrict__ K, const T* __re
         mma_m16n8k16<T>(S[nt + 1], Q_frag[kk], b[2], b[3]);
       }
     const bool masked = causal ? (j + 1) * B_c > row0 : (j + 1) * B_c > N;  // any masked entry in block?
-    online_softmax<B_c, d>(S, m_i, l_i, O_i, row0 + 16 * warp + g, j * B_c + 2 * t, N, masked, causal,  // l.10
-                           scale_log2);
+    float alpha[2];  // l.10, and the rescaling of O_i in l.11
+    online_softmax<B_c>(S, m_i, l_i, alpha, row0 + 16 * warp + g, j * B_c + 2 * t, N, masked, causal, scale_log2);
+    rescale<d>(O_i, alpha);
     for (int kk = 0; kk < B_c / 16; kk++) {                                 // l.11: O_i += P_ij V_j
       uint32_t P_frag[4];  // the S accumulators of tiles 2kk, 2kk+1 are the A fragment of slice kk
       exp_and_pack<T>(P_frag[0], P_frag[1], S[2 * kk], m_i, l_i);      // keys 16kk .. 16kk+7
@@ -964,13 +972,14 @@ __device__ inline uint64_t smem_desc(uint32_t addr, uint32_t lbo) {
 }
 
 // wgmma.fence: registers written by ordinary instructions (P_ij, the rescaled O_i) are ready for wgmma.
-// commit_group closes a group of the wgmma issued so far; wait_group 0 blocks until all groups are done.
+// commit_group closes a group of the wgmma issued so far; wait_group n blocks until at most n groups
+// are still running (groups finish in order).
 // The empty asm statements after the wait keep the compiler from reading acc before that point.
 __device__ inline void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;" ::: "memory"); }
 __device__ inline void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory"); }
-template <int tiles>
+template <int pending, int tiles>
 __device__ inline void wgmma_wait(float (&acc)[tiles][4]) {
-  asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory");
+  asm volatile("wgmma.wait_group.sync.aligned %0;" ::"n"(pending) : "memory");
   for (int nt = 0; nt < tiles; nt++)
     for (int e = 0; e < 4; e++) asm volatile("" : "+f"(acc[nt][e])::"memory");
 }
@@ -1029,7 +1038,7 @@ flash_fwd_hopper(const __grid_constant__ CUtensorMap Q_map, const __grid_constan
                  const __grid_constant__ CUtensorMap V_map, T* __restrict__ O, float* __restrict__ L, int N,
                  float scale_log2, bool causal) {
 #if SM90A
-  constexpr int B_r = 64 * NWG, B_c = 128, STAGES = 2;
+  constexpr int B_r = 64 * NWG, B_c = 128, STAGES = 3;
   constexpr uint32_t Q_bytes = B_r * d * sizeof(T), KV_bytes = B_c * d * sizeof(T);  // one tile
   // Registers per thread after setmaxnreg (multiples of 8; all warpgroups together within the 64 K of an SM)
   constexpr int producer_regs = 24, consumer_regs = NWG == 2 ? 240 : 160;
@@ -1072,34 +1081,81 @@ flash_fwd_hopper(const __grid_constant__ CUtensorMap Q_map, const __grid_constan
     const int r = row0 + 64 * (wg - 1) + 16 * warp + g;  // this lane's rows are r and r + 8
     const uint32_t Q_wg = Q_s + 64 * (wg - 1) * 128;     // this warpgroup's 64 rows of each Q_i panel
     float O_i[d / 8][4] = {}, m_i[2] = {-INFINITY, -INFINITY}, l_i[2] = {0.f, 0.f};  // l.6
-    mbar_wait(Q_full, 0);
-    for (int j = 0; j < j_end; j++) {                                              // l.7
-      const int s = j % STAGES;
-      mbar_wait(full(s), (j / STAGES) % 2);  // K_j and V_j have landed in stage s
-
-      float S[B_c / 8][4];                                                         // l.9: S_ij = Q_i K_j^T
-      wgmma_fence();
-      for (int kk = 0; kk < d / 16; kk++)  // k slice kk: 32 bytes * (kk % 4) into panel kk / 4
+    float S[B_c / 8][4], alpha[2];  // S_ij, then P_ij in fp32
+    uint32_t P[B_c / 16][4];        // P_ij as A fragments, read by the wgmma on O_i
+    // S_ij = Q_i K_j^T (l.9) on tensor cores, for j's stage s: d/16 wgmma, k slice kk 32 bytes * (kk % 4) into
+    // panel kk / 4 of Q_i and K_j. Only issued: wgmma_wait collects the result.
+    auto issue_S = [&](int s) {
+      for (int kk = 0; kk < d / 16; kk++)
         wgmma_m64n128k16_ss<T>(S, smem_desc(Q_wg + kk / 4 * B_r * 128 + kk % 4 * 32, 0),
                                smem_desc(K_s(s) + kk / 4 * B_c * 128 + kk % 4 * 32, 0), kk > 0);
       wgmma_commit();
-      wgmma_wait(S);
+    };
+    // l.10 for block j, on the CUDA cores: m_i, l_i and alpha updated, S_ij replaced by P_ij in place (fp32)
+    auto softmax = [&](int j) {
       const bool masked = causal ? (j + 1) * B_c > row0 : (j + 1) * B_c > N;  // any masked entry in block?
-      online_softmax<B_c, d>(S, m_i, l_i, O_i, r, j * B_c + 2 * t, N, masked, causal, scale_log2);  // l.10
+      online_softmax<B_c>(S, m_i, l_i, alpha, r, j * B_c + 2 * t, N, masked, causal, scale_log2);
+      for (int nt = 0; nt < B_c / 8; nt++)
+        for (int e = 0; e < 4; e++) S[nt][e] = exp2f(S[nt][e] - m_i[e / 2]), l_i[e / 2] += S[nt][e];
+    };
+    // P_ij as the A fragments of O_i += P_ij V_j: tiles 2kk, 2kk+1 of S_ij hold k slice kk (keys 16kk..16kk+15)
+    auto pack_P = [&]() {
+      for (int kk = 0; kk < B_c / 16; kk++)
+        P[kk][0] = pack<T>(S[2 * kk][0], S[2 * kk][1]), P[kk][1] = pack<T>(S[2 * kk][2], S[2 * kk][3]),
+        P[kk][2] = pack<T>(S[2 * kk + 1][0], S[2 * kk + 1][1]), P[kk][3] = pack<T>(S[2 * kk + 1][2], S[2 * kk + 1][3]);
+    };
 
-      uint32_t P[B_c / 16][4];  // the S accumulators of tiles 2kk, 2kk+1 are the A fragment of k slice kk
-      for (int kk = 0; kk < B_c / 16; kk++) {
-        exp_and_pack<T>(P[kk][0], P[kk][1], S[2 * kk], m_i, l_i);      // keys 16kk .. 16kk+7
-        exp_and_pack<T>(P[kk][2], P[kk][3], S[2 * kk + 1], m_i, l_i);  // keys 16kk+8 .. 16kk+15
-      }
-      wgmma_fence();                                                               // l.11: O_i += P_ij V_j
-      for (int kk = 0; kk < B_c / 16; kk++)  // keys 16kk .. 16kk+15: 16 rows of V_j, 2048 bytes per slice
+    // O_i += P_ij V_j (l.11) for j's stage s: B_c/16 wgmma, keys 16kk..16kk+15 (16 rows of V_j, 2048 bytes)
+    // in slice kk. Only issued; afterwards this warp releases stage s once wgmma_wait has collected O_i.
+    auto issue_PV = [&](int s) {
+      for (int kk = 0; kk < B_c / 16; kk++)
         wgmma_m64nNk16_rs<T, d>(O_i, P[kk], smem_desc(V_s(s) + kk * 2048, B_c * 128));
       wgmma_commit();
-      wgmma_wait(O_i);
+    };
+    auto release = [&](int s) {
       __syncwarp();
       if (lane == 0) mbar_arrive(empty(s));  // this warp has finished reading stage s
+    };
+
+    // The softmax of block j+1 runs on the CUDA cores while the tensor cores compute P_ij V_j:
+    //   S_i0 = Q_i K_0^T; softmax
+    //   for j: issue S_i,j+1 = Q_i K_j+1^T; issue O_i += P_ij V_j; wait for S_i,j+1; softmax;
+    //          wait for O_i; release stage j; O_i *= alpha; P_i,j+1 from S
+    //   last block: O_i += P_ij V_j
+    // The consumers take turns to issue (named barrier c is consumer c's turn), so that while one waits
+    // for its products the other's softmax has the CUDA cores, and the tensor cores always have work.
+    auto my_turn = [&] { asm volatile("bar.sync %0, %1;" ::"r"(wg), "n"(256) : "memory"); };
+    auto next_turn = [&] { asm volatile("bar.arrive %0, %1;" ::"r"(wg % NWG + 1), "n"(256) : "memory"); };
+    if (wg == NWG) next_turn();  // consumer 1 goes first
+    mbar_wait(Q_full, 0);
+    mbar_wait(full(0), 0);
+    my_turn();
+    wgmma_fence();
+    issue_S(0);
+    next_turn();
+    wgmma_wait<0>(S);
+    softmax(0);  // (O_i = 0: no rescale)
+    pack_P();
+    for (int j = 0; j + 1 < j_end; j++) {                                          // l.7
+      const int s = j % STAGES, s_next = (j + 1) % STAGES;
+      mbar_wait(full(s_next), (j + 1) / STAGES % 2);  // K_j+1 and V_j+1 have landed
+      my_turn();
+      wgmma_fence();  // S, P and O_i were last written by ordinary instructions
+      issue_S(s_next);
+      issue_PV(s);
+      next_turn();
+      wgmma_wait<1>(S);  // S_i,j+1 is done; P_ij V_j may still be running
+      softmax(j + 1);
+      wgmma_wait<0>(O_i);
+      release(s);
+      rescale<d>(O_i, alpha);
+      pack_P();
     }
+    my_turn();
+    wgmma_fence();
+    issue_PV((j_end - 1) % STAGES);
+    if (wg < NWG) next_turn();  // (the last consumer's turn token would never be taken)
+    wgmma_wait<0>(O_i);
     write_O_L<T, d>(O_i, m_i, l_i, O + (size_t)head * N * d, L + (size_t)head * N, r, t, N);  // l.13-16
   }
 #endif
@@ -1240,7 +1296,7 @@ CUtensorMap tensor_map(const torch::Tensor& X, int rows) {
 template <typename T, int d>
 void fwd_hopper(const torch::Tensor& Q, const torch::Tensor& K, const torch::Tensor& V, torch::Tensor& O,
                 torch::Tensor& L, bool causal, float scale, cudaStream_t stream) {
-  constexpr int NWG = 2, B_r = 64 * NWG, B_c = 128, STAGES = 2;  // as in the kernel
+  constexpr int NWG = 2, B_r = 64 * NWG, B_c = 128, STAGES = 3;  // as in the kernel
   const int N = Q.size(2), BH = Q.size(0) * Q.size(1);
   // Q_i and STAGES stages of K_j, V_j, the mbarriers, and 1 KB of slack to align the tiles to 1024 bytes
   const size_t smem = sizeof(T) * (B_r + 2 * STAGES * B_c) * d + 8 * (1 + 2 * STAGES) + 1024;
