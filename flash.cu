@@ -1020,18 +1020,25 @@ __device__ inline void wgmma_m64nNk16_rs(float (&acc)[n / 8][4], const uint32_t 
   if constexpr (n == 128 && !half) WGMMA_RS("128", "bf16", REGS_N128, "{%64, %65, %66, %67}, %68", ACC_N128);
 }
 
-// fp16/bf16 forward on Hopper (sm_90a): FlashAttention-2's Algorithm 1 with the FlashAttention-3 machinery.
+// fp16/bf16 forward on Hopper (sm_90a): FlashAttention-2's Algorithm 1 with FlashAttention-3's machinery.
 // Grid (T_r, B*H); 1 + NWG warpgroups; B_r = 64*NWG, B_c = 128. Warpgroup 0 is the producer: one of its
 // threads issues every TMA load. Warpgroup c = 1..NWG is a consumer owning rows 64(c-1) .. 64c-1 of Q_i,
-// S_ij and O_i; per block j it computes, with the m16n8 fragments of the Ampere kernel per warp:
+// S_ij and O_i; per block j it computes, with the m16n8 fragments of the Ampere kernel in each warp:
 //   S_ij (64, B_c)  = Q_i (64, d) K_j^T (d, B_c)    d/16 wgmma m64n128k16, A and B from shared memory
 //   O_i  (64, d)   += P_ij (64, B_c) V_j (B_c, d)   B_c/16 wgmma m64n{d}k16, A (P_ij) from registers
-// K_j, V_j stream through STAGES shared-memory stages; full[s] completes when stage s has landed, empty[s]
-// when every consumer warp is done reading it. Over time (STAGES = 2, NWG = 2):
-//   producer     Q_i,K_0,V_0>s0  K_1,V_1>s1  wait empty[0]  K_2,V_2>s0  wait empty[1]  K_3,V_3>s1 ...
-//   consumer 1   wait full[0]  S=QK^T  softmax  O+=PV  arrive empty[0]  wait full[1]  S=QK^T ...
-//   consumer 2   wait full[0]    S=QK^T  softmax  O+=PV  arrive empty[0]  wait full[1]  S=QK^T ...
-// The two consumers drift apart, so one's softmax (CUDA cores) overlaps the other's wgmma (tensor cores).
+// Three kinds of waiting keep the tensor cores busy:
+// - K_j, V_j stream through STAGES shared-memory stages: full[s] completes when stage s has landed,
+//   empty[s] when every consumer warp has finished reading it (mbarriers). The producer refills a stage
+//   as soon as it is empty, up to STAGES blocks ahead.
+// - A consumer issues S_i,j+1 = Q_i K_j+1^T and O_i += P_ij V_j together and computes the softmax of
+//   block j+1 while P_ij V_j runs (wgmma.wait_group 1, then 0).
+// - The consumers take turns to issue their products (named barriers), so that one's softmax runs on
+//   the CUDA cores while the other's products run on the tensor cores. Over time, NWG = 2:
+//   tensor cores  | c1: S_i,j+1 then P_ij V_j   | c2: S_i,j+1 then P_ij V_j   | c1: S_i,j+2 ...
+//   consumer 1    | issue; wait for S; softmax  | wait for PV; arrive empty;  | issue; wait for S ...
+//                 |                             | O_i *= alpha; pack P        |
+//   consumer 2    | wait for PV; arrive empty;  | issue; wait for S; softmax  | wait for PV ...
+//                 | O_i *= alpha; pack P        |                             |
 template <typename T, int d, int NWG>
 __global__ void __launch_bounds__(128 * (NWG + 1), 1)
 flash_fwd_hopper(const __grid_constant__ CUtensorMap Q_map, const __grid_constant__ CUtensorMap K_map,
@@ -1040,8 +1047,9 @@ flash_fwd_hopper(const __grid_constant__ CUtensorMap Q_map, const __grid_constan
 #if SM90A
   constexpr int B_r = 64 * NWG, B_c = 128, STAGES = 3;
   constexpr uint32_t Q_bytes = B_r * d * sizeof(T), KV_bytes = B_c * d * sizeof(T);  // one tile
-  // Registers per thread after setmaxnreg (multiples of 8; all warpgroups together within the 64 K of an SM)
-  constexpr int producer_regs = 24, consumer_regs = NWG == 2 ? 240 : 160;
+  // Registers per thread after setmaxnreg: the producer needs few; the consumers share the rest of the
+  // SM's 64 K (multiples of 8, at most 240 per thread for NWG = 2)
+  constexpr int producer_regs = 24, consumer_regs = (65536 / 128 - producer_regs) / NWG / 8 * 8;
   extern __shared__ unsigned char smem_raw[];
   const uint32_t Q_s = (smem_addr(smem_raw) + 1023) & ~1023u;    // Q_i (B_r, d); swizzling needs 1024-alignment
   auto K_s = [&](int s) { return Q_s + Q_bytes + 2 * s * KV_bytes; };  // K_j in stage s (B_c, d)

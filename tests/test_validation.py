@@ -46,12 +46,14 @@ def test_list_kernels_fields():
         assert set(k) >= {"name", "dtypes", "backward", "head_dims", "min_arch", "available"}
         assert set(k["dtypes"]) <= {"float32", "float16", "bfloat16"}
         assert all(isinstance(d, int) for d in k["head_dims"]) and isinstance(k["min_arch"], int)
-        assert k["available"] == (torch.cuda.is_available() and k["min_arch"] <= 10 * torch.cuda.get_device_capability()[0] + torch.cuda.get_device_capability()[1])
+        arch = 10 * torch.cuda.get_device_capability()[0] + torch.cuda.get_device_capability()[1] if torch.cuda.is_available() else 0
+        assert k["available"] == (arch > 0 and k["min_arch"] <= arch <= (k["max_arch"] or arch))
 
 
 @pytest.mark.parametrize("dtype, d, arch, expected", [
     ("float16", 64, 70, "volta"), ("float16", 128, 75, "turing"), ("float16", 64, 80, "ampere"),
-    ("float16", 128, 90, "ampere"), ("bfloat16", 64, 80, "ampere"), ("float32", 64, 70, "fp32"),
+    ("float16", 128, 90, "hopper"), ("bfloat16", 64, 90, "hopper"), ("float16", 64, 100, "ampere"),
+    ("bfloat16", 64, 80, "ampere"), ("float32", 64, 70, "fp32"),
     ("float32", 96, 90, "fp32"), ("float16", 96, 90, None), ("bfloat16", 64, 75, None),
 ])
 def test_auto_picks_the_kernel_of_each_generation(dtype, d, arch, expected):
@@ -60,6 +62,13 @@ def test_auto_picks_the_kernel_of_each_generation(dtype, d, arch, expected):
             pick_kernel(dtype, d, arch)
     else:
         assert pick_kernel(dtype, d, arch) == expected
+
+
+def test_hopper_needs_an_sm90a_build():
+    # sm_90a code runs on sm_90 only; a build without sm_90a (TORCH_CUDA_ARCH_LIST=9.0) falls back to ampere
+    assert pick_kernel("float16", 128, 90, sm90a=False) == "ampere"
+    with pytest.raises(ValueError, match="kernel 'hopper'.*sm_90 \\(built for sm_90a\\); got float16, d=128, sm_80"):
+        pick_kernel("float16", 128, 80, "hopper")
 
 
 def test_a_named_kernel_runs_on_any_gpu_that_can_execute_it():
