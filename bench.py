@@ -390,9 +390,13 @@ def bench_config(config, systems, kernels, modes, timer):
                 continue
             row = dict.fromkeys(ROW_FIELDS)
             row.update(config, mode=mode, system=system)
-            if info is not None and mode != "fwd" and not info["backward"]:
-                row.update(status="unsupported", note=f"no backward kernel of its own (gradients via {info.get('backward_kernel')})")
+            backward = kernels.get(info["backward_kernel"]) if info is not None else None
+            if mode != "fwd" and backward is not None and not kernel_fits(backward, config["dtype"], config["d"]):
+                row.update(status="unsupported",
+                           note=f"no backward kernel for this dtype (gradients via {backward['name']} on upcast inputs)")
             else:
+                if backward is not None and backward is not info and mode != "fwd":
+                    row.update(note=f"backward by the {backward['name']} kernel")
                 row.update(measure(system, attention_fn(system, causal, scale), inputs, refs,
                                    mode, timer, TOLERANCE[config["dtype"]]))
             if row["status"] == "OOM":
@@ -438,7 +442,9 @@ def run_sweep(args, argv):
     systems = select_systems(args.kernels, kernels)
     for name in systems:
         if name in kernels and not kernels[name]["available"]:
-            print(f"note: kernel {name} needs sm_{kernels[name]['min_arch']}+; skipped on this GPU")
+            k = kernels[name]
+            gpus = f"sm_{k['min_arch']} built for sm_90a" if k["max_arch"] else f"sm_{k['min_arch']}+"
+            print(f"note: kernel {name} needs {gpus}; skipped on this GPU")
     timer_name, timer = make_timer(args.warmup, args.rep)
     metadata = collect_metadata(argv, timer_name, args.batch, args.heads)
     print(f"{metadata['gpu']}, torch {metadata['torch']}, CUDA {metadata['cuda']}, timer: {timer_name}")
