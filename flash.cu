@@ -11,12 +11,16 @@
 //   volta   fp16 forward on mma.m8n8k4: four quad pairs per warp, sm_70+  fwd 0.04x / 0.03x SDPA-flash on
 //           operands by plain loads, P_ij through shared memory;           sm_90, which runs m8n8k4 slowly
 //           backward: the fp32 kernel on upcast inputs                     (12 / 9 TFLOP/s; no V100 here)
-//   turing  fp16 forward on mma.m16n8k8 + ldmatrix, synchronous     sm_75+  fwd 0.62x / 0.46x SDPA-flash on
-//           loads, Q_i through the K_j/V_j buffers (64 KB SMs);            sm_90 (183 / 154 TFLOP/s; no T4
+//   turing  fp16 forward on mma.m16n8k8 + ldmatrix, synchronous     sm_75+  fwd 0.61x / 0.46x SDPA-flash on
+//           loads, Q_i through the K_j/V_j buffers (64 KB SMs);            sm_90 (182 / 154 TFLOP/s; no T4
 //           backward: the fp32 kernel on upcast inputs                     here)
-//   ampere  mma.m16n8k16 (fp16/bf16 in, fp32 sums), ldmatrix,      sm_80+  fwd 0.82x / 0.68x SDPA-flash,
+//   ampere  mma.m16n8k16 (fp16/bf16 in, fp32 sums), ldmatrix,      sm_80+  fwd 0.81x / 0.69x SDPA-flash,
 //           cp.async double buffering, Q_i and P_ij in registers;          fwd+bwd 0.51x / 0.52x
-//           backward on transposed products, dQ by atomics                 (242 / 229 TFLOP/s fwd)
+//           backward on transposed products, dQ by atomics                 (242 / 231 TFLOP/s fwd)
+//   hopper  forward on wgmma (Q_i, K_j, V_j read from shared memory   sm_90a  fwd 1.00x / 1.38x SDPA-flash
+//           by descriptors), TMA loads by a producer warpgroup into        (298 / 460 TFLOP/s; cuDNN: 0.68x /
+//           three mbarrier stages, two consumer warpgroups taking          0.78x), fwd+bwd 0.53x / 0.58x
+//           turns; backward: the ampere kernel                             (auto: hopper + ampere backward)
 //
 // Every kernel sits behind one interface (bottom of this file): forward(kernel, Q, K, V, causal, scale)
 // returns O and L; backward(kernel, Q, K, V, O, L, dO, causal, scale) returns dQ, dK, dV. Tensors are
