@@ -925,7 +925,7 @@ flash_bwd_ampere(const T* __restrict__ Q, const T* __restrict__ K, const T* __re
 //   asynchronous instruction, reading B, and A if it is not in registers, from shared memory through a
 //   64-bit descriptor. Warp w of the group holds rows 16w .. 16w+15 of the fp32 result in the m16n8
 //   accumulator layout of the Ampere section, and an A operand in registers uses the m16n8k16 A layout,
-//   so online_softmax, exp_and_pack and write_O_L apply unchanged and P_ij goes from the accumulators of
+//   so online_softmax, rescale, pack and write_O_L apply unchanged and P_ij goes from the accumulators of
 //   S_ij straight into O_i += P_ij V_j, as on Ampere.
 // - Warp specialisation: one warpgroup only loads (the producer) and hands most of its registers to the
 //   warpgroups that only compute (the consumers) with setmaxnreg.
