@@ -442,9 +442,7 @@ def run_sweep(args, argv):
     systems = select_systems(args.kernels, kernels)
     for name in systems:
         if name in kernels and not kernels[name]["available"]:
-            k = kernels[name]
-            gpus = f"sm_{k['min_arch']} built for sm_90a" if k["max_arch"] else f"sm_{k['min_arch']}+"
-            print(f"note: kernel {name} needs {gpus}; skipped on this GPU")
+            print(f"note: kernel {name} needs {kernels[name]['gpus']}; skipped on this GPU")
     timer_name, timer = make_timer(args.warmup, args.rep)
     metadata = collect_metadata(argv, timer_name, args.batch, args.heads)
     print(f"{metadata['gpu']}, torch {metadata['torch']}, CUDA {metadata['cuda']}, timer: {timer_name}")

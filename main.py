@@ -18,8 +18,9 @@ ROOT = os.path.dirname(os.path.abspath(__file__))
 
 # One entry per kernel in flash.cu (its index at the top of that file says what each adds), from the most
 # general to the most specialised. dtypes: input dtypes it takes; head_dims: values of d it is compiled
-# for; min_arch (max_arch): the oldest (newest) GPU it runs on, 10 * major + minor; backward_kernel: the kernel that computes its gradients (a kernel
-# without a backward of its own hands them to "fp32", on inputs upcast to float32).
+# for; min_arch (max_arch, if any): the oldest (newest) GPU it runs on, 10 * major + minor;
+# backward_kernel: the kernel that computes its gradients (volta and turing hand them to "fp32", on inputs
+# upcast to float32).
 KERNELS = {
     "fp32": dict(dtypes=("float32",), head_dims=(16, 32, 64, 96, 128), min_arch=70, backward_kernel="fp32",
                  about="FlashAttention-2 on CUDA cores, fp32"),
@@ -49,12 +50,13 @@ def _runs_on(kn, arch, sm90a=True):
 
 def list_kernels():
     """One dict per kernel: name, dtypes, backward (has a backward kernel of its own), backward_kernel,
-    head_dims, min_arch, max_arch (None: any newer GPU), available (runs on this GPU), about."""
+    head_dims, min_arch, max_arch (None: any newer GPU), gpus (the same in words), available (runs on this
+    GPU), about."""
     arch = _arch() if torch.cuda.is_available() else 0
     return [dict(name=name, dtypes=list(k["dtypes"]), backward=k["backward_kernel"] == name,
                  backward_kernel=k["backward_kernel"], head_dims=list(k["head_dims"]), min_arch=k["min_arch"],
-                 max_arch=k.get("max_arch"), available=arch > 0 and _runs_on(k, arch, _builds_sm90a()),
-                 about=k["about"])
+                 max_arch=k.get("max_arch"), gpus=_gpus(k),
+                 available=arch > 0 and _runs_on(k, arch, _builds_sm90a()), about=k["about"])
             for name, k in KERNELS.items()]
 
 
