@@ -1043,13 +1043,14 @@ __device__ inline void wgmma_m64nNk16_rs(float (&acc)[n / 8][4], const uint32_t 
 //                 |                             | O_i *= alpha; pack P        |
 //   consumer 2    | wait for PV; arrive empty;  | issue; wait for S; softmax  | wait for PV ...
 //                 | O_i *= alpha; pack P        |                             |
-template <typename T, int d, int NWG>
+template <typename T, int d, int NWG, int B_c, int STAGES>
 __global__ void __launch_bounds__(128 * (NWG + 1), 1)
 flash_fwd_hopper(const __grid_constant__ CUtensorMap Q_map, const __grid_constant__ CUtensorMap K_map,
                  const __grid_constant__ CUtensorMap V_map, T* __restrict__ O, float* __restrict__ L, int N,
                  float scale_log2, bool causal) {
 #if SM90A
-  constexpr int B_r = 64 * NWG, B_c = 128, STAGES = 3;
+  constexpr int B_r = 64 * NWG;
+  static_assert(B_c == 128, "S_ij is one wgmma m64n128k16 per k slice");
   constexpr uint32_t Q_bytes = B_r * d * sizeof(T), KV_bytes = B_c * d * sizeof(T);  // one tile
   // Registers per thread after setmaxnreg: the producer needs few; the consumers share the rest of the
   // SM's 64 K (multiples of 8, at most 240 per thread for NWG = 2)
@@ -1308,11 +1309,11 @@ CUtensorMap tensor_map(const torch::Tensor& X, int rows) {
 template <typename T, int d>
 void fwd_hopper(const torch::Tensor& Q, const torch::Tensor& K, const torch::Tensor& V, torch::Tensor& O,
                 torch::Tensor& L, bool causal, float scale, cudaStream_t stream) {
-  constexpr int NWG = 2, B_r = 64 * NWG, B_c = 128, STAGES = 3;  // as in the kernel
+  constexpr int NWG = 2, B_r = 64 * NWG, B_c = 128, STAGES = 3;  // 3 stages: the most that fit at d = 128
   const int N = Q.size(2), BH = Q.size(0) * Q.size(1);
   // Q_i and STAGES stages of K_j, V_j, the mbarriers, and 1 KB of slack to align the tiles to 1024 bytes
   const size_t smem = sizeof(T) * (B_r + 2 * STAGES * B_c) * d + 8 * (1 + 2 * STAGES) + 1024;
-  launch(flash_fwd_hopper<T, d, NWG>, dim3((N + B_r - 1) / B_r, BH), 128 * (NWG + 1), smem, stream,
+  launch(flash_fwd_hopper<T, d, NWG, B_c, STAGES>, dim3((N + B_r - 1) / B_r, BH), 128 * (NWG + 1), smem, stream,
          tensor_map(Q, B_r), tensor_map(K, B_c), tensor_map(V, B_c), ptr<T>(O), ptr<float>(L), N, scale * LOG2E,
          causal);
 }

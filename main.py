@@ -18,9 +18,9 @@ ROOT = os.path.dirname(os.path.abspath(__file__))
 
 # One entry per kernel in flash.cu (its index at the top of that file says what each adds), from the most
 # general to the most specialised. dtypes: input dtypes it takes; head_dims: values of d it is compiled
-# for; min_arch (max_arch, if any): the oldest (newest) GPU it runs on, 10 * major + minor;
-# backward_kernel: the kernel that computes its gradients (volta and turing hand them to "fp32", on inputs
-# upcast to float32).
+# for; min_arch: the oldest GPU it runs on, 10 * major + minor; sm90a: built for sm_90a only (wgmma,
+# setmaxnreg), so it runs on sm_90 alone and only from a build that targets sm_90a; backward_kernel: the
+# kernel that computes its gradients (volta and turing hand them to "fp32", on inputs upcast to float32).
 KERNELS = {
     "fp32": dict(dtypes=("float32",), head_dims=(16, 32, 64, 96, 128), min_arch=70, backward_kernel="fp32",
                  about="FlashAttention-2 on CUDA cores, fp32"),
@@ -30,7 +30,7 @@ KERNELS = {
                    about="Turing tensor cores: mma.m16n8k8, ldmatrix, synchronous loads, 64 KB of shared memory"),
     "ampere": dict(dtypes=("float16", "bfloat16"), head_dims=(64, 128), min_arch=80, backward_kernel="ampere",
                    about="FlashAttention-2 on tensor cores: mma.m16n8k16, ldmatrix, cp.async"),
-    "hopper": dict(dtypes=("float16", "bfloat16"), head_dims=(64, 128), min_arch=90, max_arch=90,
+    "hopper": dict(dtypes=("float16", "bfloat16"), head_dims=(64, 128), min_arch=90, sm90a=True,
                    backward_kernel="ampere", about="Hopper: TMA, wgmma, producer and consumer warpgroups (sm_90a)"),
 }
 DTYPES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
@@ -43,19 +43,20 @@ def _arch(device=None):
 
 
 def _runs_on(kn, arch, sm90a=True):
-    """Whether kernel kn runs on sm_<arch>; sm90a: the build targets sm_90a (wgmma and setmaxnreg exist
-    only there, and sm_90a code runs on sm_90 only)."""
-    return kn["min_arch"] <= arch <= kn.get("max_arch", arch) and (sm90a or kn.get("max_arch") != 90)
+    """Whether kernel kn runs on sm_<arch>; sm90a: the build targets sm_90a."""
+    if kn.get("sm90a"):
+        return arch == 90 and sm90a
+    return arch >= kn["min_arch"]
 
 
 def list_kernels():
     """One dict per kernel: name, dtypes, backward (has a backward kernel of its own), backward_kernel,
-    head_dims, min_arch, max_arch (None: any newer GPU), gpus (the same in words), available (runs on this
-    GPU), about."""
+    head_dims, min_arch, sm90a (runs on sm_90 alone, from an sm_90a build), gpus (the GPUs in words),
+    available (runs on this GPU), about."""
     arch = _arch() if torch.cuda.is_available() else 0
     return [dict(name=name, dtypes=list(k["dtypes"]), backward=k["backward_kernel"] == name,
                  backward_kernel=k["backward_kernel"], head_dims=list(k["head_dims"]), min_arch=k["min_arch"],
-                 max_arch=k.get("max_arch"), gpus=_gpus(k),
+                 sm90a=k.get("sm90a", False), gpus=_gpus(k),
                  available=arch > 0 and _runs_on(k, arch, _builds_sm90a()), about=k["about"])
             for name, k in KERNELS.items()]
 
@@ -158,7 +159,7 @@ def pick_kernel(dtype, d, arch, kernel="auto", sm90a=True):
 
 
 def _gpus(kn):
-    return f"sm_{kn['min_arch']} (built for sm_90a)" if kn.get("max_arch") == 90 else f"sm_{kn['min_arch']}+"
+    return "sm_90 (built for sm_90a)" if kn.get("sm90a") else f"sm_{kn['min_arch']}+"
 
 
 def _prepare(t):
