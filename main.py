@@ -31,7 +31,7 @@ KERNELS = {
     "ampere": dict(dtypes=("float16", "bfloat16"), head_dims=(64, 128), min_arch=80, backward_kernel="ampere",
                    about="FlashAttention-2 on tensor cores: mma.m16n8k16, ldmatrix, cp.async"),
     "hopper": dict(dtypes=("float16", "bfloat16"), head_dims=(64, 128), min_arch=90, sm90a=True,
-                   backward_kernel="ampere", about="Hopper: TMA, wgmma, producer and consumer warpgroups (sm_90a)"),
+                   backward_kernel="hopper", about="Hopper: TMA, wgmma, producer and consumer warpgroups (sm_90a)"),
 }
 DTYPES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
 MAX_GRID_Y = 65535  # B*H is the grid's y dimension
