@@ -1,6 +1,7 @@
 // flash.cu: FlashAttention kernels written to be read, in the notation of the FlashAttention papers.
 //
-// Index. Speed on an NVIDIA H200 (sm_90), measured with bench.py (commands in docs/benchmarks.md):
+// Index. Speed measured with bench.py (commands in docs/benchmarks.md): fp32, volta and turing on an NVIDIA
+// H200 (docs/benchmarks.md, a run from before the hopper backward), ampere and hopper on an NVIDIA H100:
 //   fp32: B=16, H=12, d=64, non-causal, N=1024 / 4096, against manual attention (TF32 off) in the same run
 //   tensor cores: FlashAttention's shapes (B*N=16384, H*d=2048), fp16, N=4096, non-causal, d=64 / d=128,
 //   against SDPA's FLASH_ATTENTION backend in the same run
@@ -14,13 +15,14 @@
 //   turing  fp16 forward on mma.m16n8k8 + ldmatrix, synchronous     sm_75+  fwd 0.61x / 0.46x SDPA-flash on
 //           loads, Q_i through the K_j/V_j buffers (64 KB SMs);            sm_90 (182 / 154 TFLOP/s; no T4
 //           backward: the fp32 kernel on upcast inputs                     here)
-//   ampere  mma.m16n8k16 (fp16/bf16 in, fp32 sums), ldmatrix,      sm_80+  fwd 0.81x / 0.69x SDPA-flash,
-//           cp.async double buffering, Q_i and P_ij in registers;          fwd+bwd 0.51x / 0.52x
-//           backward on transposed products, dQ by atomics                 (242 / 231 TFLOP/s fwd)
-//   hopper  forward on wgmma (Q_i, K_j, V_j read from shared memory   sm_90a  fwd 1.00x / 1.38x SDPA-flash
-//           by descriptors), TMA loads by a producer warpgroup into        (298 / 460 TFLOP/s; cuDNN: 0.68x /
-//           three mbarrier stages, two consumer warpgroups taking          0.78x), fwd+bwd 0.53x / 0.58x
-//           turns; backward: the ampere kernel                             (auto: hopper + ampere backward)
+//   ampere  mma.m16n8k16 (fp16/bf16 in, fp32 sums), ldmatrix,      sm_80+  fwd 0.69x / 0.69x SDPA-flash,
+//           cp.async double buffering, Q_i and P_ij in registers;          fwd+bwd 0.48x / 0.48x
+//           backward on transposed products, dQ by atomics                 (206 / 232 TFLOP/s fwd)
+//   hopper  wgmma (operands read from shared memory by descriptors,  sm_90a  fwd 1.06x / 1.43x SDPA-flash
+//           P_ij from registers), TMA loads by a producer warpgroup        (317 / 478 TFLOP/s; cuDNN 0.70x /
+//           into mbarrier stages; forward: two consumer warpgroups         0.80x), fwd+bwd 0.95x / 1.30x
+//           taking turns; backward: P and dS through shared memory,       (267 / 399 TFLOP/s; cuDNN 0.65x /
+//           overlapped with the previous block's dV_j, dK_j products       0.78x)
 //
 // Every kernel sits behind one interface (bottom of this file): forward(kernel, Q, K, V, causal, scale)
 // returns O and L; backward(kernel, Q, K, V, O, L, dO, causal, scale) returns dQ, dK, dV. Tensors are
