@@ -587,6 +587,17 @@ __device__ void write_O_L(const float (&O_i)[d / 8][4], const float (&m_i)[2], f
   }
 }
 
+// Rows r and r + 8 of a (16, d) block of m16n8 accumulators, times f, into the row-major X as T: the rows
+// below N (the backward kernels' dK_j and dV_j, l.19).
+template <typename T, int d>
+__device__ void store_rows(T* X, const float (&acc)[d / 8][4], int r, int t, int N, float f) {
+  for (int h = 0; h < 2; h++)
+    if (r + 8 * h < N)
+      for (int nt = 0; nt < d / 8; nt++)
+        *reinterpret_cast<uint32_t*>(&X[(size_t)(r + 8 * h) * d + 8 * nt + 2 * t]) =
+            pack<T>(f * acc[nt][2 * h], f * acc[nt][2 * h + 1]);
+}
+
 // fp16 forward on Turing tensor cores (sm_75+): FlashAttention-2, Algorithm 1, with what sm_75 has:
 // mma.m16n8k8 (two per 16-wide k slice), ldmatrix, and loads that pass through registers and block until
 // they land (no cp.async, so no double buffering). An SM has 64 KB of shared memory: Q_i goes to
@@ -915,15 +926,8 @@ flash_bwd_ampere(const T* __restrict__ Q, const T* __restrict__ K, const T* __re
     }
     __syncthreads();  // every warp is done with Q_s, dO_s stage and dS_s before the next block refills them
   }
-  for (int h = 0; h < 2; h++) {                                             // l.19: write dK_j, dV_j
-    const int c = col0 + 16 * warp + g + 8 * h;
-    if (c >= N) continue;
-    for (int nt = 0; nt < d / 8; nt++) {
-      *reinterpret_cast<uint32_t*>(&dK[(size_t)c * d + 8 * nt + 2 * t]) =
-          pack<T>(scale * dK_j[nt][2 * h], scale * dK_j[nt][2 * h + 1]);
-      *reinterpret_cast<uint32_t*>(&dV[(size_t)c * d + 8 * nt + 2 * t]) = pack<T>(dV_j[nt][2 * h], dV_j[nt][2 * h + 1]);
-    }
-  }
+  store_rows<T, d>(dK, dK_j, col0 + 16 * warp + g, t, N, scale);          // l.19: write dK_j, dV_j
+  store_rows<T, d>(dV, dV_j, col0 + 16 * warp + g, t, N, 1.f);
 }
 
 // ------------------------------------------------------------------------------------------------------
@@ -1242,6 +1246,8 @@ flash_bwd_hopper(const __grid_constant__ CUtensorMap Q_map, const __grid_constan
   auto empty = [&](int s) { return KV_full + 8 * (1 + STAGES + s); };
   const int wg = threadIdx.x / 128, j = blockIdx.x, col0 = j * B_c, head = blockIdx.y;
   const int T_r = (N + B_r - 1) / B_r, i_start = causal ? col0 / B_r : 0;  // causal: blocks above skipped
+  auto stage = [&](int i) { return (i - i_start) % STAGES; };  // query block i's stage, and how many times
+  auto round = [&](int i) { return (i - i_start) / STAGES; };  // that stage has been filled before it
 
   if (threadIdx.x == 0) {
     mbar_init(KV_full, 1);
@@ -1259,8 +1265,8 @@ flash_bwd_hopper(const __grid_constant__ CUtensorMap Q_map, const __grid_constan
         tma_load(V_s + c * B_c * 128, V_map, 64 * c, col0, head, KV_full);
       }
       for (int i = i_start; i < T_r; i++) {                                   // l.10: load Q_i, dO_i
-        const int n = i - i_start, s = n % STAGES;
-        if (n >= STAGES) mbar_wait(empty(s), (n / STAGES - 1) % 2);  // block i - STAGES is out of stage s
+        const int s = stage(i);
+        if (round(i) > 0) mbar_wait(empty(s), (round(i) - 1) % 2);  // block i - STAGES is out of stage s
         mbar_arrive_expect_bytes(full(s), 2 * Q_bytes);
         for (int c = 0; c < d / 64; c++) {
           tma_load(Q_s(s) + c * B_r * 128, Q_map, 64 * c, i * B_r, head, full(s));
@@ -1269,8 +1275,8 @@ flash_bwd_hopper(const __grid_constant__ CUtensorMap Q_map, const __grid_constan
       }
     } else if (threadIdx.x / 32 == 1) {  // warp 1: L_i and D_i, which TMA cannot copy (rows of N floats are
       for (int i = i_start; i < T_r; i++) {  // not 16-byte aligned); each lane arrives on full(s) when done
-        const int n = i - i_start, s = n % STAGES;
-        if (n >= STAGES) mbar_wait(empty(s), (n / STAGES - 1) % 2);
+        const int s = stage(i);
+        if (round(i) > 0) mbar_wait(empty(s), (round(i) - 1) % 2);
         float* LD = reinterpret_cast<float*>(__cvta_shared_to_generic(LD_s(s)));
         for (int x = threadIdx.x % 32; x < B_r; x += 32) {
           const int r = i * B_r + x;
@@ -1293,8 +1299,8 @@ flash_bwd_hopper(const __grid_constant__ CUtensorMap Q_map, const __grid_constan
     // S_ij^T = K_j Q_i^T (l.11) and dP_ij^T = V_j dO_i^T (l.14) for query block i, as two groups: k slice kk
     // is 32 bytes * (kk % 4) into panel kk / 4 of each operand, as in the forward
     auto issue_S_dP = [&](int i) {
-      const int n = i - i_start, s = n % STAGES;
-      mbar_wait(full(s), n / STAGES % 2);  // Q_i, dO_i, L_i and D_i have landed
+      const int s = stage(i);
+      mbar_wait(full(s), round(i) % 2);  // Q_i, dO_i, L_i and D_i have landed
       for (int kk = 0; kk < d / 16; kk++)
         wgmma_ss<T, B_r>(S, smem_desc(K_s + kk / 4 * B_c * 128 + key0 * 128 + kk % 4 * 32, 0),
                          smem_desc(Q_s(s) + kk / 4 * B_r * 128 + kk % 4 * 32, 0), kk > 0);
@@ -1307,7 +1313,7 @@ flash_bwd_hopper(const __grid_constant__ CUtensorMap Q_map, const __grid_constan
     // dV_j += P_ij^T dO_i (l.13) and dK_j += dS_ij^T Q_i (l.17), one group. Slice kk: queries 16kk.., which
     // are 32 bytes * kk into the rows of P^T and dS^T (K-major) and rows 16kk.. of dO_i and Q_i (N-major)
     auto issue_dV_dK = [&](int i) {
-      const int s = (i - i_start) % STAGES;
+      const int s = stage(i);
       for (int kk = 0; kk < B_r / 16; kk++)
         wgmma_ss<T, d, 0, 1>(dV_j, smem_desc(P_s(i) + key0 * 128 + kk * 32, 0),
                              smem_desc(dO_s(s) + kk * 2048, B_r * 128), true);
@@ -1334,7 +1340,7 @@ flash_bwd_hopper(const __grid_constant__ CUtensorMap Q_map, const __grid_constan
       }
     };
     auto release = [&](int i) {  // every consumer thread has finished reading block i's stage (L_i and D_i
-      mbar_arrive(empty((i - i_start) % STAGES));  // included: each thread arrives after its own reads)
+      mbar_arrive(empty(stage(i)));  // included: each thread arrives after its own reads)
     };
     // X^T (this consumer's 64 rows of a (B_c, B_r) matrix, fp32 accumulators) into a swizzled panel of 128-byte
     // rows: tile nt, element e is row key0 + 16w + g + 8(e / 2), queries 8nt + 2t, +1, in 16-byte piece nt,
@@ -1350,7 +1356,7 @@ flash_bwd_hopper(const __grid_constant__ CUtensorMap Q_map, const __grid_constan
     // becomes dS_ij^T = P_ij o (dP_ij - D_i). Three groups are in flight: S^T, dP^T and the previous dV, dK.
     auto P_and_dS = [&](int i) {
       const int row0 = i * B_r;
-      const float* L_i = reinterpret_cast<const float*>(__cvta_shared_to_generic(LD_s((i - i_start) % STAGES)));
+      const float* L_i = reinterpret_cast<const float*>(__cvta_shared_to_generic(LD_s(stage(i))));
       const float* D_i = L_i + B_r;
       const bool edge = (causal && row0 < col0 + key0 + 64) || row0 + B_r > N || col0 + B_c > N;  // any masked?
       wgmma_wait<2>(S);
@@ -1399,16 +1405,8 @@ flash_bwd_hopper(const __grid_constant__ CUtensorMap Q_map, const __grid_constan
     issue_dV_dK(T_r - 1);
     wgmma_wait<0>(dV_j, dK_j);
     release(T_r - 1);
-    for (int h = 0; h < 2; h++) {                                               // l.19: write dK_j, dV_j
-      const int key = c + 8 * h;
-      if (key >= N) continue;
-      for (int nt = 0; nt < d / 8; nt++) {
-        *reinterpret_cast<uint32_t*>(&dK[((size_t)head * N + key) * d + 8 * nt + 2 * t]) =
-            pack<T>(scale * dK_j[nt][2 * h], scale * dK_j[nt][2 * h + 1]);
-        *reinterpret_cast<uint32_t*>(&dV[((size_t)head * N + key) * d + 8 * nt + 2 * t]) =
-            pack<T>(dV_j[nt][2 * h], dV_j[nt][2 * h + 1]);
-      }
-    }
+    store_rows<T, d>(dK + (size_t)head * N * d, dK_j, c, t, N, scale);          // l.19: write dK_j, dV_j
+    store_rows<T, d>(dV + (size_t)head * N * d, dV_j, c, t, N, 1.f);
   }
 #endif
 }
