@@ -1,28 +1,28 @@
 // flash.cu: FlashAttention kernels written to be read, in the notation of the FlashAttention papers.
 //
-// Index. Speed measured with bench.py (commands in docs/benchmarks.md): fp32, volta and turing on an NVIDIA
-// H200 (docs/benchmarks.md, a run from before the hopper backward), ampere and hopper on an NVIDIA H100:
-//   fp32: B=16, H=12, d=64, non-causal, N=1024 / 4096, against manual attention (TF32 off) in the same run
-//   tensor cores: FlashAttention's shapes (B*N=16384, H*d=2048), fp16, N=4096, non-causal, d=64 / d=128,
-//   against SDPA's FLASH_ATTENTION backend in the same run
+// Index. Speed from one bench.py run on an NVIDIA H100 80GB HBM3 (docs/benchmarks.md: the command, every
+// shape, causal and bf16): FlashAttention's shapes (B*N = 16384, H*d = 2048), N = 4096, non-causal, d = 64 /
+// d = 128; fp32 against manual attention in fp32 (TF32 off), fp16 against SDPA's FLASH_ATTENTION backend
+// (FlashAttention-2), in the same run.
 //   kernel  what it adds                                           GPUs    speed
-//   fp32    FA-2 Algorithms 1 and 2 on CUDA cores: a thread block  sm_70+  fwd 1.39x / 1.54x manual,
-//           per query block (forward) or key block (backward), each         fwd+bwd 1.01x / 1.10x manual
-//           thread owning an 8 x 4 tile of S_ij; dQ by atomics              (35 TFLOP/s fwd; = SDPA-efficient)
+//   fp32    FA-2 Algorithms 1 and 2 on CUDA cores: a thread block  sm_70+  fwd 1.66x / 1.07x manual,
+//           per query block (forward) or key block (backward), each         fwd+bwd 1.21x / 0.80x manual
+//           thread owning an 8 x 4 tile of S_ij; dQ by atomics              (35 / 33 TFLOP/s fwd)
 //   volta   fp16 forward on mma.m8n8k4: four quad pairs per warp, sm_70+  fwd 0.04x / 0.03x SDPA-flash on
 //           operands by plain loads, P_ij through shared memory;           sm_90, which runs m8n8k4 slowly
 //           backward: the fp32 kernel on upcast inputs                     (12 / 9 TFLOP/s; no V100 here)
-//   turing  fp16 forward on mma.m16n8k8 + ldmatrix, synchronous     sm_75+  fwd 0.61x / 0.46x SDPA-flash on
-//           loads, Q_i through the K_j/V_j buffers (64 KB SMs);            sm_90 (182 / 154 TFLOP/s; no T4
+//   turing  fp16 forward on mma.m16n8k8 + ldmatrix, synchronous     sm_75+  fwd 0.66x / 0.47x SDPA-flash on
+//           loads, Q_i through the K_j/V_j buffers (64 KB SMs);            sm_90 (191 / 158 TFLOP/s; no T4
 //           backward: the fp32 kernel on upcast inputs                     here)
-//   ampere  mma.m16n8k16 (fp16/bf16 in, fp32 sums), ldmatrix,      sm_80+  fwd 0.69x / 0.69x SDPA-flash,
-//           cp.async double buffering, Q_i and P_ij in registers;          fwd+bwd 0.48x / 0.48x
-//           backward on transposed products, dQ by atomics                 (206 / 232 TFLOP/s fwd)
-//   hopper  wgmma (operands read from shared memory by descriptors,  sm_90a  fwd 1.06x / 1.43x SDPA-flash
-//           P_ij from registers), TMA loads by a producer warpgroup        (317 / 478 TFLOP/s; cuDNN 0.70x /
-//           into mbarrier stages; forward: two consumer warpgroups         0.80x), fwd+bwd 0.95x / 1.30x
-//           taking turns; backward: P and dS through shared memory,       (267 / 399 TFLOP/s; cuDNN 0.65x /
-//           overlapped with the previous block's dV_j, dK_j products       0.78x)
+//   ampere  mma.m16n8k16 (fp16/bf16 in, fp32 sums), ldmatrix,      sm_80+  fwd 0.96x / 0.92x SDPA-flash,
+//           cp.async double buffering, 32 query rows per warp,             fwd+bwd 0.51x / 0.51x
+//           P_ij in registers; backward on transposed products,            (279 / 306 TFLOP/s fwd)
+//           dQ by atomics
+//   hopper  wgmma (operands read from shared memory by descriptors,  sm_90a  fwd 1.09x / 1.44x SDPA-flash
+//           P_ij from registers), TMA loads by a producer warpgroup        (316 / 481 TFLOP/s; cuDNN 0.73x /
+//           into mbarrier stages; forward: two consumer warpgroups         0.79x), fwd+bwd 1.13x / 1.31x
+//           taking turns; backward: P and dS through shared memory,       (315 / 393 TFLOP/s; cuDNN 0.76x /
+//           overlapped with the previous block's dV_j, dK_j products       0.77x)
 //
 // Every kernel sits behind one interface (bottom of this file): forward(kernel, Q, K, V, causal, scale)
 // returns O and L; backward(kernel, Q, K, V, O, L, dO, causal, scale) returns dQ, dK, dV. Tensors are
