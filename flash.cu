@@ -5,24 +5,24 @@
 // d = 128; fp32 against manual attention in fp32 (TF32 off), fp16 against SDPA's FLASH_ATTENTION backend
 // (FlashAttention-2), in the same run.
 //   kernel  what it adds                                           GPUs    speed
-//   fp32    FA-2 Algorithms 1 and 2 on CUDA cores: a thread block  sm_70+  fwd 1.66x / 1.07x manual,
-//           per query block (forward) or key block (backward), each         fwd+bwd 1.21x / 0.80x manual
+//   fp32    FA-2 Algorithms 1 and 2 on CUDA cores: a thread block  sm_70+  fwd 1.73x / 1.06x manual,
+//           per query block (forward) or key block (backward), each         fwd+bwd 1.22x / 0.79x manual
 //           thread owning an 8 x 4 tile of S_ij; dQ by atomics              (35 / 33 TFLOP/s fwd)
 //   volta   fp16 forward on mma.m8n8k4: four quad pairs per warp, sm_70+  fwd 0.04x / 0.03x SDPA-flash on
 //           operands by plain loads, P_ij through shared memory;           sm_90, which runs m8n8k4 slowly
 //           backward: the fp32 kernel on upcast inputs                     (12 / 9 TFLOP/s; no V100 here)
-//   turing  fp16 forward on mma.m16n8k8 + ldmatrix, synchronous     sm_75+  fwd 0.66x / 0.47x SDPA-flash on
-//           loads, Q_i through the K_j/V_j buffers (64 KB SMs);            sm_90 (191 / 158 TFLOP/s; no T4
+//   turing  fp16 forward on mma.m16n8k8 + ldmatrix, synchronous     sm_75+  fwd 0.65x / 0.48x SDPA-flash on
+//           loads, Q_i through the K_j/V_j buffers (64 KB SMs);            sm_90 (191 / 157 TFLOP/s; no T4
 //           backward: the fp32 kernel on upcast inputs                     here)
-//   ampere  mma.m16n8k16 (fp16/bf16 in, fp32 sums), ldmatrix,      sm_80+  fwd 0.96x / 0.92x SDPA-flash,
-//           cp.async double buffering, 32 query rows per warp,             fwd+bwd 0.51x / 0.51x
-//           P_ij in registers; backward on transposed products,            (279 / 306 TFLOP/s fwd)
-//           dQ by atomics
-//   hopper  wgmma (operands read from shared memory by descriptors,  sm_90a  fwd 1.09x / 1.44x SDPA-flash
-//           P_ij from registers), TMA loads by a producer warpgroup        (316 / 481 TFLOP/s; cuDNN 0.73x /
-//           into mbarrier stages; forward: two consumer warpgroups         0.79x), fwd+bwd 1.13x / 1.31x
-//           taking turns; backward: P and dS through shared memory,       (315 / 393 TFLOP/s; cuDNN 0.76x /
-//           overlapped with the previous block's dV_j, dK_j products       0.77x)
+//   ampere  mma.m16n8k16 (fp16/bf16 in, fp32 sums), ldmatrix,      sm_80+  fwd 0.95x / 0.91x SDPA-flash,
+//           cp.async double buffering, 32 query rows per warp,             fwd+bwd 0.65x / 0.68x
+//           P_ij in registers; backward on transposed products,            (281 / 300 TFLOP/s fwd)
+//           8 warps per key block, dQ by atomics
+//   hopper  wgmma (operands read from shared memory by descriptors,  sm_90a  fwd 1.07x / 1.50x SDPA-flash
+//           P_ij from registers), TMA loads by a producer warpgroup        (316 / 494 TFLOP/s; cuDNN 0.76x /
+//           into mbarrier stages; forward: two consumer warpgroups         0.84x), fwd+bwd 1.13x / 1.34x
+//           taking turns; backward: P and dS through shared memory,       (316 / 399 TFLOP/s; cuDNN 0.77x /
+//           overlapped with the previous block's dV_j, dK_j products       0.78x)
 //
 // Every kernel sits behind one interface (bottom of this file): forward(kernel, Q, K, V, causal, scale)
 // returns O and L; backward(kernel, Q, K, V, O, L, dO, causal, scale) returns dQ, dK, dV. Tensors are
@@ -1524,13 +1524,19 @@ void fwd_ampere(const torch::Tensor& Q, const torch::Tensor& K, const torch::Ten
          ptr<T>(V), ptr<T>(O), ptr<float>(L), N, scale * LOG2E, causal);
 }
 
-template <typename T, int d>
+template <typename T, int d, int NW = 8, int B_r = 64>
 void bwd_ampere(const torch::Tensor& Q, const torch::Tensor& K, const torch::Tensor& V, const torch::Tensor& dO,
                 const torch::Tensor& L, const torch::Tensor& D, torch::Tensor& dQ, torch::Tensor& dK,
                 torch::Tensor& dV, bool causal, float scale, cudaStream_t stream) {
-  constexpr int NW = 4, B_c = 16 * NW, B_r = d == 128 ? 32 : 64;  // d = 128: fewer queries, fewer registers
+  // Eight warps, B_c = 128 keys: against four warps and B_c = 64, each Q_i, dO_i tile in shared memory serves
+  // twice as many warps and dQ gets half as many atomic adds per FLOP (33-38% faster on an H100). B_r = 64
+  // measured 5% faster than 32 at d = 128 (255 registers, no spills).
+  constexpr int B_c = 16 * NW;
   const int N = Q.size(2), BH = Q.size(0) * Q.size(1);
   const size_t smem = sizeof(T) * ((2 * B_c + 4 * B_r) * (d + 8) + B_c * (B_r + 8));
+  if constexpr (d == 128 && NW == 8)  // 154 KB: on GPUs that give a block less (sm_86, sm_89: 99 KB), 73 KB tiles
+    if (smem > max_smem_per_block())
+      return bwd_ampere<T, d, 4, 32>(Q, K, V, dO, L, D, dQ, dK, dV, causal, scale, stream);
   launch(flash_bwd_ampere<T, d, B_r, NW>, dim3((N + B_c - 1) / B_c, BH), NW * 32, smem, stream, ptr<T>(Q),
          ptr<T>(K), ptr<T>(V), ptr<T>(dO), ptr<float>(L), ptr<float>(D), ptr<float>(dQ), ptr<T>(dK), ptr<T>(dV),
          N, scale, causal);
