@@ -1518,7 +1518,7 @@ void fwd_ampere(const torch::Tensor& Q, const torch::Tensor& K, const torch::Ten
   constexpr int NW = 4, B_r = 32 * NW;
   const int N = Q.size(2), BH = Q.size(0) * Q.size(1);
   const size_t smem = sizeof(T) * (B_r + 4 * B_c) * (d + 8);
-  if constexpr (d == 128 && B_c == 64)  // 104 KB: more than sm_86 and sm_89 give a block (99 KB), so B_c = 32 there
+  if constexpr (d == 128 && B_c == 64)  // 102 KB: more than sm_86 and sm_89 give a block (99 KB), so B_c = 32 there
     if (smem > max_smem_per_block()) return fwd_ampere<T, d, B_c / 2>(Q, K, V, O, L, causal, scale, stream);
   launch(flash_fwd_ampere<T, d, NW, B_c>, dim3((N + B_r - 1) / B_r, BH), NW * 32, smem, stream, ptr<T>(Q), ptr<T>(K),
          ptr<T>(V), ptr<T>(O), ptr<float>(L), N, scale * LOG2E, causal);
