@@ -709,6 +709,14 @@ __device__ void cp_async_16(void* dst, const void* src, bool in_bounds) {
   __trap();
 #endif
 }
+__device__ void cp_async_4(float* dst, const float* src, bool in_bounds) {  // the same for one float
+#if SM80
+  const uint32_t addr = __cvta_generic_to_shared(dst);
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;" ::"r"(addr), "l"(src), "r"(in_bounds ? 4 : 0));
+#else
+  __trap();
+#endif
+}
 __device__ void cp_async_commit() {
 #if SM80
   asm volatile("cp.async.commit_group;");
@@ -721,12 +729,24 @@ __device__ void cp_async_wait() {
 #endif
 }
 
+// dst[0] += x, dst[1] += y: one 8-byte atomic on sm_90 and newer (half the requests), two before.
+__device__ void atomic_add_pair(float* dst, float x, float y) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  atomicAdd(reinterpret_cast<float2*>(dst), make_float2(x, y));
+#else
+  atomicAdd(dst, x), atomicAdd(dst + 1, y);
+#endif
+}
+
 // Starts copying a (rows, d) tile of 16-bit values into shared memory with row stride d + 8 (padded
 // against ldmatrix bank conflicts, as in the Turing kernel), zero-filling rows at or past N.
 template <int rows, int d, int n_threads, typename T>
 __device__ void cp_async_tile(T* dst, const T* src, int row0, int N) {
-  for (int idx = threadIdx.x; idx < rows * d / 8; idx += n_threads) {
-    const int r = idx / (d / 8), c = 8 * (idx % (d / 8));
+  constexpr int pieces = d / 8, step = n_threads / pieces;  // 16-byte pieces per row; rows per pass
+  static_assert(n_threads % pieces == 0 && rows % step == 0, "every thread copies the same pieces of each pass");
+  const int c = 8 * (threadIdx.x % pieces);
+#pragma unroll  // a fixed trip count: no loop left in the SASS
+  for (int r = threadIdx.x / pieces; r < rows; r += step) {
     const bool in_bounds = row0 + r < N;
     cp_async_16(&dst[r * (d + 8) + c], &src[(size_t)(in_bounds ? row0 + r : 0) * d + c], in_bounds);
   }
@@ -829,7 +849,9 @@ flash_fwd_ampere(const T* __restrict__ Q, const T* __restrict__ K, const T* __re
 // Working with transposes lets P_ij^T and dS_ij^T go from accumulators straight into the next product.
 // dQ_i = dS_ij K_j sums over all the block's keys, i.e. over warps: dS_ij^T goes through shared memory,
 // each warp computes one (16, d/CW) piece of dQ_i and adds it into an fp32 dQ with atomics (see the fp32
-// backward for why atomics); main.py converts dQ to the input dtype at the end.
+// backward for why atomics); main.py converts dQ to the input dtype at the end. L_i and D_i travel with
+// Q_i and dO_i: read from global memory where they are used, they cost each thread 64 loads per block and
+// made the backward 35% slower.
 template <typename T, int d, int B_r, int NW>
 __global__ void __launch_bounds__(NW * 32)
 flash_bwd_ampere(const T* __restrict__ Q, const T* __restrict__ K, const T* __restrict__ V,
@@ -843,6 +865,8 @@ flash_bwd_ampere(const T* __restrict__ Q, const T* __restrict__ K, const T* __re
   T* Q_s = V_s + B_c * ld;                  // Q_i, 2 stages     (2, B_r, d)   row stride ld
   T* dO_s = Q_s + 2 * B_r * ld;             // dO_i, 2 stages    (2, B_r, d)   row stride ld
   T* dS_s = dO_s + 2 * B_r * ld;            // dS_ij^T           (B_c, B_r)    row stride ldS
+  float* L_s = reinterpret_cast<float*>(dS_s + B_c * ldS);  // L_i, 2 stages  (2, B_r)
+  float* D_s = L_s + 2 * B_r;                               // D_i, 2 stages  (2, B_r)
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
   const int j = blockIdx.x, col0 = j * B_c;
   const size_t head = (size_t)blockIdx.y * N * d;
@@ -852,11 +876,19 @@ flash_bwd_ampere(const T* __restrict__ Q, const T* __restrict__ K, const T* __re
   const int T_r = (N + B_r - 1) / B_r, i_start = causal ? col0 / B_r : 0;  // causal: skip blocks above
   const T* K_w = K_s + 16 * warp * ld;  // this warp's 16 keys
   const T* V_w = V_s + 16 * warp * ld;
+  auto load_i = [&](int i, int stage) {  // l.10: Q_i, dO_i, L_i, D_i into one of the two stages
+    cp_async_tile<B_r, d, NW * 32>(Q_s + stage * B_r * ld, Q, i * B_r, N);
+    cp_async_tile<B_r, d, NW * 32>(dO_s + stage * B_r * ld, dO, i * B_r, N);
+    const int r = i * B_r + threadIdx.x;
+    if (threadIdx.x < B_r) {
+      cp_async_4(&L_s[stage * B_r + threadIdx.x], &L[r < N ? r : 0], r < N);
+      cp_async_4(&D_s[stage * B_r + threadIdx.x], &D[r < N ? r : 0], r < N);
+    }
+  };
 
   cp_async_tile<B_c, d, NW * 32>(K_s, K, col0, N);                         // l.7: load K_j, V_j
   cp_async_tile<B_c, d, NW * 32>(V_s, V, col0, N);
-  cp_async_tile<B_r, d, NW * 32>(Q_s, Q, i_start * B_r, N);                // l.10 for the first i
-  cp_async_tile<B_r, d, NW * 32>(dO_s, dO, i_start * B_r, N);
+  load_i(i_start, 0);
   cp_async_commit();
   float dK_j[d / 8][4] = {}, dV_j[d / 8][4] = {};                          // l.8: dK_j = dV_j = 0
 
@@ -864,19 +896,19 @@ flash_bwd_ampere(const T* __restrict__ Q, const T* __restrict__ K, const T* __re
     const int row0 = i * B_r, stage = (i - i_start) % 2;
     const T* Q_i = Q_s + stage * B_r * ld;
     const T* dO_i = dO_s + stage * B_r * ld;
-    if (i + 1 < T_r) {  // l.10 for block i+1, into the other stage (freed by the barrier ending i-1)
-      cp_async_tile<B_r, d, NW * 32>(Q_s + (1 - stage) * B_r * ld, Q, row0 + B_r, N);
-      cp_async_tile<B_r, d, NW * 32>(dO_s + (1 - stage) * B_r * ld, dO, row0 + B_r, N);
-    }
+    const float *L_i = L_s + stage * B_r, *D_i = D_s + stage * B_r;
+    if (i + 1 < T_r) load_i(i + 1, 1 - stage);  // into the other stage (freed by the barrier ending i-1)
     cp_async_commit();
-    cp_async_wait<1>();  // all but the newest group have landed: Q_i, dO_i (and K_j, V_j)
+    cp_async_wait<1>();  // all but the newest group have landed: Q_i, dO_i, L_i, D_i (and K_j, V_j)
     __syncthreads();     // ... for every thread's copies
 
     float S[B_r / 8][4] = {}, dP[B_r / 8][4] = {};
+#pragma unroll
     for (int kk = 0; kk < d / 16; kk++) {
       uint32_t K_frag[4], V_frag[4];  // A fragments: this warp's 16 keys, dims 16kk .. 16kk+15
       ldmatrix_x4(K_frag, &K_w[(lane % 16) * ld + 16 * kk + 8 * (lane / 16)]);
       ldmatrix_x4(V_frag, &V_w[(lane % 16) * ld + 16 * kk + 8 * (lane / 16)]);
+#pragma unroll
       for (int nt = 0; nt < B_r / 8; nt += 2) {  // B fragments: queries 8nt .. 8nt+15 (as K_j in the forward)
         uint32_t q[4], o[4];
         ldmatrix_x4(q, &Q_i[(8 * nt + lane % 8 + 8 * (lane / 16)) * ld + 16 * kk + 8 * (lane / 8 % 2)]);
@@ -886,14 +918,20 @@ flash_bwd_ampere(const T* __restrict__ Q, const T* __restrict__ K, const T* __re
       }
     }
     const bool edge = (causal && row0 < col0 + B_c) || row0 + B_r > N || col0 + B_c > N;
-    for (int nt = 0; nt < B_r / 8; nt++)
+#pragma unroll
+    for (int nt = 0; nt < B_r / 8; nt++) {
+      const float2 L_r = *reinterpret_cast<const float2*>(&L_i[8 * nt + 2 * t]);  // queries 8nt + 2t, + 1
+      const float2 D_r = *reinterpret_cast<const float2*>(&D_i[8 * nt + 2 * t]);
+#pragma unroll
       for (int e = 0; e < 4; e++) {  // entry (key c, query r) of P^T and dS^T
         const int c = col0 + 16 * warp + g + 8 * (e / 2), r = row0 + 8 * nt + 2 * t + e % 2;
         const bool seen = !edge || (r < N && c < N && !(causal && c > r));
-        const float L_r = r < N ? L[r] : 0.f, D_r = r < N ? D[r] : 0.f;
-        S[nt][e] = seen ? exp2_ftz(S[nt][e] * scale_log2 - L_r * LOG2E) : 0.f;  // l.12: P_ij = exp(S_ij - L_i)
-        dP[nt][e] = S[nt][e] * (dP[nt][e] - D_r);                             // l.15: dS_ij = P o (dP - D_i)
+        const float L_r_e = e % 2 ? L_r.y : L_r.x, D_r_e = e % 2 ? D_r.y : D_r.x;
+        S[nt][e] = seen ? exp2_ftz(S[nt][e] * scale_log2 - L_r_e * LOG2E) : 0.f;  // l.12: P_ij = exp(S_ij - L_i)
+        dP[nt][e] = S[nt][e] * (dP[nt][e] - D_r_e);                             // l.15: dS_ij = P o (dP - D_i)
       }
+    }
+#pragma unroll
     for (int kk = 0; kk < B_r / 16; kk++) {  // l.13: dV_j += P_ij^T dO_i;  l.17: dK_j += dS_ij^T Q_i
       const uint32_t P_frag[4] = {pack<T>(S[2 * kk][0], S[2 * kk][1]), pack<T>(S[2 * kk][2], S[2 * kk][3]),
                                   pack<T>(S[2 * kk + 1][0], S[2 * kk + 1][1]),
@@ -901,11 +939,13 @@ flash_bwd_ampere(const T* __restrict__ Q, const T* __restrict__ K, const T* __re
       const uint32_t dS_frag[4] = {pack<T>(dP[2 * kk][0], dP[2 * kk][1]), pack<T>(dP[2 * kk][2], dP[2 * kk][3]),
                                    pack<T>(dP[2 * kk + 1][0], dP[2 * kk + 1][1]),
                                    pack<T>(dP[2 * kk + 1][2], dP[2 * kk + 1][3])};
+#pragma unroll
       for (int h = 0; h < 2; h++) {  // dS_ij^T into shared memory for dQ_i: rows g and g+8 of this warp
         const int c = 16 * warp + g + 8 * h;
         *reinterpret_cast<uint32_t*>(&dS_s[c * ldS + 16 * kk + 2 * t]) = dS_frag[h];
         *reinterpret_cast<uint32_t*>(&dS_s[c * ldS + 16 * kk + 8 + 2 * t]) = dS_frag[2 + h];
       }
+#pragma unroll
       for (int nt = 0; nt < d / 8; nt += 2) {  // B fragments: queries 16kk.., dims 8nt.. (as V_j in the forward)
         uint32_t o[4], q[4];
         ldmatrix_x4_trans(o, &dO_i[(16 * kk + lane % 8 + 8 * (lane / 8 % 2)) * ld + 8 * nt + 8 * (lane / 16)]);
@@ -919,22 +959,26 @@ flash_bwd_ampere(const T* __restrict__ Q, const T* __restrict__ K, const T* __re
     // l.16: dQ_i += dS_ij K_j. Warp w: queries 16*(w % MT) .. +15, dims (w / MT) * d/CW .. + d/CW.
     const int m0 = 16 * (warp % MT), n0 = (warp / MT) * (d / CW);
     float dQ_i[d / CW / 8][4] = {};
+#pragma unroll
     for (int kk = 0; kk < B_c / 16; kk++) {
       // A fragment of dS_ij (queries m0.., keys 16kk..) read transposed from dS_ij^T: lane l points at
       // key 16kk + l%8 + 8*(l/16), query m0 + 8*((l/8)%2)
       uint32_t a[4];
       ldmatrix_x4_trans(a, &dS_s[(16 * kk + lane % 8 + 8 * (lane / 16)) * ldS + m0 + 8 * (lane / 8 % 2)]);
+#pragma unroll
       for (int nt = 0; nt < d / CW / 8; nt += 2) {  // B fragments of K_j: keys 16kk.., dims n0 + 8nt..
         uint32_t b[4];
         ldmatrix_x4_trans(b, &K_s[(16 * kk + lane % 8 + 8 * (lane / 8 % 2)) * ld + n0 + 8 * nt + 8 * (lane / 16)]);
         mma_m16n8k16<T>(dQ_i[nt], a, b[0], b[1]), mma_m16n8k16<T>(dQ_i[nt + 1], a, b[2], b[3]);
       }
     }
+#pragma unroll
     for (int h = 0; h < 2; h++) {
       const int r = row0 + m0 + g + 8 * h;
       if (r < N)
+#pragma unroll
         for (int nt = 0; nt < d / CW / 8; nt++)
-          for (int e = 0; e < 2; e++) atomicAdd(&dQ[(size_t)r * d + n0 + 8 * nt + 2 * t + e], scale * dQ_i[nt][2 * h + e]);
+          atomic_add_pair(&dQ[(size_t)r * d + n0 + 8 * nt + 2 * t], scale * dQ_i[nt][2 * h], scale * dQ_i[nt][2 * h + 1]);
     }
     __syncthreads();  // every warp is done with Q_s, dO_s stage and dS_s before the next block refills them
   }
@@ -963,6 +1007,7 @@ flash_bwd_ampere(const T* __restrict__ Q, const T* __restrict__ K, const T* __re
 // spans two panels along n, LBO (bytes from one panel to the next).
 #ifndef __CUDACC_RTC__  // NVRTC (the sm_70 check) compiles the sections above only
 #include <cuda.h>       // CUtensorMap
+#include <cstdlib>      // getenv
 #include <type_traits>
 #if defined(__CUDA_ARCH__) && !defined(__CUDA_ARCH_FEAT_SM90_ALL)
 #define SM90A 0  // wgmma and setmaxnreg exist on sm_90a only: other targets get an empty kernel
@@ -1448,12 +1493,14 @@ void launch(Kernel kernel, dim3 grid, int threads, size_t smem, cudaStream_t str
 }
 
 // The most shared memory one block may have on this GPU: 227 KB on sm_90, 163 KB on sm_80, 99 KB on sm_86
-// and sm_89, 96 KB on sm_70, 64 KB on sm_75.
+// and sm_89, 96 KB on sm_70, 64 KB on sm_75. The environment variable FLASH_SMEM_LIMIT (bytes) lowers it,
+// so that one GPU can run, and the tests check, the smaller tiles that the launchers choose for others.
 size_t max_smem_per_block() {
   int device, bytes;
   CUDA_CHECK(cudaGetDevice(&device));
   CUDA_CHECK(cudaDeviceGetAttribute(&bytes, cudaDevAttrMaxSharedMemoryPerBlockOptin, device));
-  return bytes;
+  const char* limit = std::getenv("FLASH_SMEM_LIMIT");
+  return limit ? std::min<size_t>(bytes, std::strtoull(limit, nullptr, 10)) : bytes;
 }
 
 // Block sizes: with B_r = B_c = 64, four forward blocks (two backward) share an SM of an H100 (three and
@@ -1524,19 +1571,22 @@ void fwd_ampere(const torch::Tensor& Q, const torch::Tensor& K, const torch::Ten
          ptr<T>(V), ptr<T>(O), ptr<float>(L), N, scale * LOG2E, causal);
 }
 
-template <typename T, int d, int NW = 8, int B_r = 64>
+template <typename T, int d, int NW = 8, int B_r = d == 64 ? 128 : 64>
 void bwd_ampere(const torch::Tensor& Q, const torch::Tensor& K, const torch::Tensor& V, const torch::Tensor& dO,
                 const torch::Tensor& L, const torch::Tensor& D, torch::Tensor& dQ, torch::Tensor& dK,
                 torch::Tensor& dV, bool causal, float scale, cudaStream_t stream) {
   // Eight warps, B_c = 128 keys: against four warps and B_c = 64, each Q_i, dO_i tile in shared memory serves
   // twice as many warps and dQ gets half as many atomic adds per FLOP (26-37% faster on an H100, fp16, N =
-  // 2048-16384, causal or not). B_r = 64 measured 5-6% faster than 32 at d = 128 (255 registers, no spills).
+  // 2048-16384, causal or not). B_r = 128 (d = 64) or 64 (d = 128) as FlashAttention-2 on sm_80; at d = 64,
+  // 128 measured 6-13% faster than 64 (255 registers, no spills).
   constexpr int B_c = 16 * NW;
   const int N = Q.size(2), BH = Q.size(0) * Q.size(1);
-  const size_t smem = sizeof(T) * ((2 * B_c + 4 * B_r) * (d + 8) + B_c * (B_r + 8));
-  if constexpr (d == 128 && NW == 8)  // 154 KB: on GPUs that give a block less (sm_86, sm_89: 99 KB), 73 KB tiles
-    if (smem > max_smem_per_block())
-      return bwd_ampere<T, d, 4, 32>(Q, K, V, dO, L, D, dQ, dK, dV, causal, scale, stream);
+  const size_t smem = sizeof(T) * ((2 * B_c + 4 * B_r) * (d + 8) + B_c * (B_r + 8)) + sizeof(float) * 4 * B_r;
+  if constexpr (NW == 8 && B_r == (d == 64 ? 128 : 64))  // 148 KB (d = 64) or 159 KB (d = 128)
+    if (smem > max_smem_per_block()) {  // sm_86 and sm_89 give a block 99 KB: 91 KB and 75 KB tiles there
+      if constexpr (d == 64) return bwd_ampere<T, d, 8, 64>(Q, K, V, dO, L, D, dQ, dK, dV, causal, scale, stream);
+      else return bwd_ampere<T, d, 4, 32>(Q, K, V, dO, L, D, dQ, dK, dV, causal, scale, stream);
+    }
   launch(flash_bwd_ampere<T, d, B_r, NW>, dim3((N + B_c - 1) / B_c, BH), NW * 32, smem, stream, ptr<T>(Q),
          ptr<T>(K), ptr<T>(V), ptr<T>(dO), ptr<float>(L), ptr<float>(D), ptr<float>(dQ), ptr<T>(dK), ptr<T>(dV),
          N, scale, causal);

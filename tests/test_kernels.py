@@ -63,6 +63,17 @@ def test_scale_and_non_contiguous_inputs(kernel, dtype, d):
     check(kernel, q, k, v, do, causal=True, scale=0.05)
 
 
+@pytest.mark.parametrize("kernel, dtype, d", CASES)
+def test_tiles_for_99_kb_of_shared_memory(kernel, dtype, d, monkeypatch):
+    """sm_86 and sm_89 give a block 99 KB of shared memory, and the launchers pick smaller tiles there
+    (fp32, ampere): FLASH_SMEM_LIMIT makes this GPU's launchers do the same."""
+    monkeypatch.setenv("FLASH_SMEM_LIMIT", str(99 * 1024))
+    torch.manual_seed(2)
+    for N, causal in ((200, True), (1000, False)):
+        q, k, v, do = (torch.randn(2, 3, N, d, device="cuda", dtype=DTYPES[dtype]) for _ in range(4))
+        check(kernel, q, k, v, do, causal)
+
+
 @pytest.mark.parametrize("shape", [(0, 2, 16, 64), (2, 0, 16, 64), (2, 2, 0, 64)])
 def test_empty_inputs(shape):
     q, k, v = (torch.randn(shape, device="cuda", requires_grad=True) for _ in range(3))
