@@ -745,8 +745,9 @@ __device__ void cp_async_tile(T* dst, const T* src, int row0, int N) {
   constexpr int pieces = d / 8, step = n_threads / pieces;  // 16-byte pieces per row; rows per pass
   static_assert(n_threads % pieces == 0 && rows % step == 0, "every thread copies the same pieces of each pass");
   const int c = 8 * (threadIdx.x % pieces);
-#pragma unroll  // a fixed trip count: no loop left in the SASS
-  for (int r = threadIdx.x / pieces; r < rows; r += step) {
+#pragma unroll  // a fixed trip count: no loop, no branch left in the SASS
+  for (int k = 0; k < rows / step; k++) {
+    const int r = threadIdx.x / pieces + k * step;
     const bool in_bounds = row0 + r < N;
     cp_async_16(&dst[r * (d + 8) + c], &src[(size_t)(in_bounds ? row0 + r : 0) * d + c], in_bounds);
   }
