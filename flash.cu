@@ -5,24 +5,25 @@
 // d = 128; fp32 against manual attention in fp32 (TF32 off), fp16 against SDPA's FLASH_ATTENTION backend
 // (FlashAttention-2), in the same run.
 //   kernel  what it adds                                           GPUs    speed
-//   fp32    FA-2 Algorithms 1 and 2 on CUDA cores: a thread block  sm_70+  fwd 1.73x / 1.06x manual,
-//           per query block (forward) or key block (backward), each         fwd+bwd 1.22x / 0.79x manual
+//   fp32    FA-2 Algorithms 1 and 2 on CUDA cores: a thread block  sm_70+  fwd 1.67x / 1.08x manual,
+//           per query block (forward) or key block (backward), each         fwd+bwd 1.21x / 0.79x manual
 //           thread owning an 8 x 4 tile of S_ij; dQ by atomics              (35 / 33 TFLOP/s fwd)
 //   volta   fp16 forward on mma.m8n8k4: four quad pairs per warp, sm_70+  fwd 0.04x / 0.03x SDPA-flash on
 //           operands by plain loads, P_ij through shared memory;           sm_90, which runs m8n8k4 slowly
 //           backward: the fp32 kernel on upcast inputs                     (12 / 9 TFLOP/s; no V100 here)
-//   turing  fp16 forward on mma.m16n8k8 + ldmatrix, synchronous     sm_75+  fwd 0.65x / 0.48x SDPA-flash on
+//   turing  fp16 forward on mma.m16n8k8 + ldmatrix, synchronous     sm_75+  fwd 0.64x / 0.46x SDPA-flash on
 //           loads, Q_i through the K_j/V_j buffers (64 KB SMs);            sm_90 (191 / 157 TFLOP/s; no T4
 //           backward: the fp32 kernel on upcast inputs                     here)
-//   ampere  mma.m16n8k16 (fp16/bf16 in, fp32 sums), ldmatrix,      sm_80+  fwd 0.95x / 0.91x SDPA-flash,
-//           cp.async double buffering, 32 query rows per warp,             fwd+bwd 0.65x / 0.68x
-//           P_ij in registers; backward on transposed products,            (281 / 300 TFLOP/s fwd)
-//           8 warps per key block, dQ by atomics
-//   hopper  wgmma (operands read from shared memory by descriptors,  sm_90a  fwd 1.07x / 1.50x SDPA-flash
-//           P_ij from registers), TMA loads by a producer warpgroup        (316 / 494 TFLOP/s; cuDNN 0.76x /
-//           into mbarrier stages; forward: two consumer warpgroups         0.84x), fwd+bwd 1.13x / 1.34x
-//           taking turns; backward: P and dS through shared memory,       (316 / 399 TFLOP/s; cuDNN 0.77x /
-//           overlapped with the previous block's dV_j, dK_j products       0.78x)
+//   ampere  mma.m16n8k16 (fp16/bf16 in, fp32 sums), ldmatrix,      sm_80+  fwd 0.98x / 0.95x SDPA-flash,
+//           cp.async double buffering, 32 query rows per warp,             fwd+bwd 0.89x / 0.87x
+//           P_ij in registers; backward on transposed products,            (292 / 321 TFLOP/s fwd,
+//           8 warps per key block, L_i, D_i staged with Q_i, dO_i,          249 / 267 fwd+bwd)
+//           dQ by atomics
+//   hopper  wgmma (operands read from shared memory by descriptors,  sm_90a  fwd 1.06x / 1.42x SDPA-flash
+//           P_ij from registers), TMA loads by a producer warpgroup        (317 / 481 TFLOP/s; cuDNN 0.71x /
+//           into mbarrier stages; forward: two consumer warpgroups         0.81x), fwd+bwd 1.13x / 1.31x
+//           taking turns; backward: P and dS through shared memory,       (316 / 403 TFLOP/s; cuDNN 0.74x /
+//           overlapped with the previous block's dV_j, dK_j products       0.80x)
 //
 // Every kernel sits behind one interface (bottom of this file): forward(kernel, Q, K, V, causal, scale)
 // returns O and L; backward(kernel, Q, K, V, O, L, dO, causal, scale) returns dQ, dK, dV. Tensors are
@@ -1583,8 +1584,8 @@ void bwd_ampere(const torch::Tensor& Q, const torch::Tensor& K, const torch::Ten
   constexpr int B_c = 16 * NW;
   const int N = Q.size(2), BH = Q.size(0) * Q.size(1);
   const size_t smem = sizeof(T) * ((2 * B_c + 4 * B_r) * (d + 8) + B_c * (B_r + 8)) + sizeof(float) * 4 * B_r;
-  if constexpr (NW == 8 && B_r == (d == 64 ? 128 : 64))  // 148 KB (d = 64) or 159 KB (d = 128)
-    if (smem > max_smem_per_block()) {  // sm_86 and sm_89 give a block 99 KB: 91 KB and 75 KB tiles there
+  if constexpr (NW == 8 && B_r == (d == 64 ? 128 : 64))  // 144 KB (d = 64) or 155 KB (d = 128)
+    if (smem > max_smem_per_block()) {  // sm_86 and sm_89 give a block 99 KB: 91 KB and 73.5 KB tiles there
       if constexpr (d == 64) return bwd_ampere<T, d, 8, 64>(Q, K, V, dO, L, D, dQ, dK, dV, causal, scale, stream);
       else return bwd_ampere<T, d, 4, 32>(Q, K, V, dO, L, D, dQ, dK, dV, causal, scale, stream);
     }
