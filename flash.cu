@@ -520,6 +520,15 @@ template <> __device__ uint32_t pack<__nv_bfloat16>(float lo, float hi) {
   return *reinterpret_cast<uint32_t*>(&h);
 }
 
+// Slice kk of accumulators S with n columns (n/8 tiles of 16 x 8, fp32) as the A fragment of an m16n8k16
+// over those columns (16-bit): tiles 2kk and 2kk+1, each lane keeping its own values, since the D and A
+// layouts put the same rows and columns in the same lanes.
+template <typename T, int n>
+__device__ void A_fragment(uint32_t (&a)[4], const float (&S)[n / 8][4], int kk) {
+  a[0] = pack<T>(S[2 * kk][0], S[2 * kk][1]), a[1] = pack<T>(S[2 * kk][2], S[2 * kk][3]);
+  a[2] = pack<T>(S[2 * kk + 1][0], S[2 * kk + 1][1]), a[3] = pack<T>(S[2 * kk + 1][2], S[2 * kk + 1][3]);
+}
+
 // 2^x as one MUFU.EX2 instruction (ex2.approx.ftz: relative error about 2^-22, results below 2^-126 flushed to
 // zero). exp2f gives the same values but adds a compare and two multiplies per call to keep such tiny
 // results as denormals, which a probability in fp16 or bf16 cannot hold anyway.
@@ -936,12 +945,8 @@ flash_bwd_ampere(const T* __restrict__ Q, const T* __restrict__ K, const T* __re
     }
 #pragma unroll
     for (int kk = 0; kk < B_r / 16; kk++) {  // l.13: dV_j += P_ij^T dO_i;  l.17: dK_j += dS_ij^T Q_i
-      const uint32_t P_frag[4] = {pack<T>(S[2 * kk][0], S[2 * kk][1]), pack<T>(S[2 * kk][2], S[2 * kk][3]),
-                                  pack<T>(S[2 * kk + 1][0], S[2 * kk + 1][1]),
-                                  pack<T>(S[2 * kk + 1][2], S[2 * kk + 1][3])};
-      const uint32_t dS_frag[4] = {pack<T>(dP[2 * kk][0], dP[2 * kk][1]), pack<T>(dP[2 * kk][2], dP[2 * kk][3]),
-                                   pack<T>(dP[2 * kk + 1][0], dP[2 * kk + 1][1]),
-                                   pack<T>(dP[2 * kk + 1][2], dP[2 * kk + 1][3])};
+      uint32_t P_frag[4], dS_frag[4];  // queries 16kk .. 16kk+15 of P_ij^T and dS_ij^T as A fragments
+      A_fragment<T, B_r>(P_frag, S, kk), A_fragment<T, B_r>(dS_frag, dP, kk);
 #pragma unroll
       for (int h = 0; h < 2; h++) {  // dS_ij^T into shared memory for dQ_i: rows g and g+8 of this warp
         const int c = 16 * warp + g + 8 * h;
@@ -1114,14 +1119,10 @@ __device__ inline void wgmma_m64nNk16_rs(float (&acc)[n / 8][4], const uint32_t 
   if constexpr (n == 128 && !half) WGMMA_RS("128", "bf16", REGS_N128, "{%64, %65, %66, %67}, %68", ACC_N128);
 }
 
-// The accumulators S of a product with n columns (n/8 tiles of 16 x 8, fp32) as the A operand of a product
-// over those columns (n/16 slices of 16 x 16, 16-bit): tiles 2kk and 2kk+1 make slice kk, and every lane
-// keeps its own values, since the D and A layouts put the same rows and columns in the same lanes.
+// All n/16 slices of S as A fragments (the A operand of a wgmma from registers has the same layout).
 template <typename T, int n>
 __device__ void to_A_fragments(uint32_t (&A)[n / 16][4], const float (&S)[n / 8][4]) {
-  for (int kk = 0; kk < n / 16; kk++)
-    A[kk][0] = pack<T>(S[2 * kk][0], S[2 * kk][1]), A[kk][1] = pack<T>(S[2 * kk][2], S[2 * kk][3]),
-    A[kk][2] = pack<T>(S[2 * kk + 1][0], S[2 * kk + 1][1]), A[kk][3] = pack<T>(S[2 * kk + 1][2], S[2 * kk + 1][3]);
+  for (int kk = 0; kk < n / 16; kk++) A_fragment<T, n>(A[kk], S, kk);
 }
 
 // fp16/bf16 forward on Hopper (sm_90a): FlashAttention-2's Algorithm 1 with FlashAttention-3's machinery.
