@@ -1268,6 +1268,27 @@ flash_fwd_hopper(const __grid_constant__ CUtensorMap Q_map, const __grid_constan
 #endif
 }
 
+// A warp's (16, n) block of fp32 m16n8 accumulators X as T into a panel of 128-byte rows with the 128-byte
+// swizzle, this lane's rows being row and row + 8 (row % 8 = g): tile nt, element e goes to row
+// row + 8(e / 2), columns 8nt + 2t, +1, in 16-byte piece nt, which the swizzle moves to piece nt ^ g.
+template <typename T, int n>
+__device__ void store_panel(uint32_t panel, const float (&X)[n / 8][4], int row, int g, int t) {
+  for (int nt = 0; nt < n / 8; nt++)
+    for (int h = 0; h < 2; h++)
+      asm volatile("st.shared.u32 [%0], %1;" ::"r"(panel + (row + 8 * h) * 128 + (nt ^ g) * 16 + 4 * t),
+                   "r"(pack<T>(X[nt][2 * h], X[nt][2 * h + 1])) : "memory");
+}
+
+// By one warp: L_i log2(e) and D_i of query rows row0 .. row0 + B_r - 1 into LD (2, B_r), 0 past N.
+template <int B_r>
+__device__ void copy_L_D(float* LD, const float* L, const float* D, int row0, int N) {
+  for (int x = threadIdx.x % 32; x < B_r; x += 32) {
+    const int r = row0 + x;
+    LD[x] = r < N ? L[r] * LOG2E : 0.f;
+    LD[B_r + x] = r < N ? D[r] : 0.f;
+  }
+}
+
 // fp16/bf16 backward on Hopper (sm_90a): FlashAttention-2's Algorithm 2 with the forward's producer
 // warpgroup and mbarrier stages, and the Ampere backward's transposed products.
 // Grid (T_c, B*H): one block per key block K_j, V_j (B_c = 128 keys) of one head, looping over query blocks
@@ -1342,12 +1363,8 @@ flash_bwd_hopper(const __grid_constant__ CUtensorMap Q_map, const __grid_constan
       for (int i = i_start; i < T_r; i++) {  // not 16-byte aligned); each lane arrives on full(s) when done
         const int s = stage(i);
         if (round(i) > 0) mbar_wait(empty(s), (round(i) - 1) % 2);
-        float* LD = reinterpret_cast<float*>(__cvta_shared_to_generic(LD_s(s)));
-        for (int x = threadIdx.x % 32; x < B_r; x += 32) {
-          const int r = i * B_r + x;
-          LD[x] = r < N ? L[(size_t)head * N + r] * LOG2E : 0.f;
-          LD[B_r + x] = r < N ? D[(size_t)head * N + r] : 0.f;
-        }
+        copy_L_D<B_r>(reinterpret_cast<float*>(__cvta_shared_to_generic(LD_s(s))), L + (size_t)head * N,
+                      D + (size_t)head * N, i * B_r, N);
         mbar_arrive(full(s));
       }
     }
@@ -1399,23 +1416,13 @@ flash_bwd_hopper(const __grid_constant__ CUtensorMap Q_map, const __grid_constan
         const int r = i * B_r + 16 * warp + g + 8 * h;  // dQ_i's rows are queries: this lane's are r, r + 8
         if (r < N)
           for (int nt = 0; nt < d / 16; nt++)
-            atomicAdd(reinterpret_cast<float2*>(&dQ[((size_t)head * N + r) * d + n0 + 8 * nt + 2 * t]),
-                      make_float2(scale * dQ_i[nt][2 * h], scale * dQ_i[nt][2 * h + 1]));
+            atomic_add_pair(&dQ[((size_t)head * N + r) * d + n0 + 8 * nt + 2 * t], scale * dQ_i[nt][2 * h],
+                            scale * dQ_i[nt][2 * h + 1]);
       }
     };
     auto release = [&](int i) {  // every consumer thread has finished reading block i's stage (L_i and D_i
       mbar_arrive(empty(stage(i)));  // included: each thread arrives after its own reads)
     };
-    // X^T (this consumer's 64 rows of a (B_c, B_r) matrix, fp32 accumulators) into a swizzled panel of 128-byte
-    // rows: tile nt, element e is row key0 + 16w + g + 8(e / 2), queries 8nt + 2t, +1, in 16-byte piece nt,
-    // which the 128-byte swizzle moves to piece nt ^ g (row % 8 = g)
-    auto store_panel = [&](uint32_t panel, const float (&X)[B_r / 8][4]) {
-      for (int nt = 0; nt < B_r / 8; nt++)
-        for (int h = 0; h < 2; h++)
-          asm volatile("st.shared.u32 [%0], %1;" ::"r"(panel + (key0 + 16 * warp + g + 8 * h) * 128 + (nt ^ g) * 16 + 4 * t),
-                       "r"(pack<T>(X[nt][2 * h], X[nt][2 * h + 1])) : "memory");
-    };
-
     // l.12 and l.15 for block i on the CUDA cores, in place: S_ij^T becomes P_ij^T = exp(S_ij - L_i), dP_ij^T
     // becomes dS_ij^T = P_ij o (dP_ij - D_i). Three groups are in flight: S^T, dP^T and the previous dV, dK.
     auto P_and_dS = [&](int i) {
@@ -1439,8 +1446,8 @@ flash_bwd_hopper(const __grid_constant__ CUtensorMap Q_map, const __grid_constan
     // P_ij^T and dS_ij^T into buffer i % 2 (last read by block i-2's products, done on both consumers), then
     // dQ_i's piece once they are there
     auto store_and_dQ = [&](int i) {
-      store_panel(P_s(i), S);
-      store_panel(dS_s(i), dP);
+      store_panel<T, B_r>(P_s(i), S, key0 + 16 * warp + g, g, t);
+      store_panel<T, B_r>(dS_s(i), dP, key0 + 16 * warp + g, g, t);
       asm volatile("fence.proxy.async.shared::cta;" ::: "memory");  // the stores are visible to wgmma
       asm volatile("bar.sync 1, 256;" ::: "memory");  // both consumers have stored dS_ij^T
       wgmma_fence();
