@@ -45,7 +45,7 @@ def nvrtc_ptx():
 
     source = (ROOT / "flash.cu").read_bytes()
     # NVRTC has no C++ standard library: the one header flash.cu's kernels include is given in memory
-    headers = (ctypes.c_char_p * 1)(b"typedef unsigned int uint32_t;\n")
+    headers = (ctypes.c_char_p * 1)(b"typedef unsigned int uint32_t;\ntypedef long long int64_t;\ntypedef unsigned long long uint64_t;\n")
     names = (ctypes.c_char_p * 1)(b"cstdint")
     check(lib.nvrtcCreateProgram(ctypes.byref(prog), source, b"flash.cu", 1, headers, names), "create")
     for name in KERNELS:

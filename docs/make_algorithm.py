@@ -21,7 +21,7 @@ def function_lines(lines, file, function):
         start = next(i for i, line in enumerate(lines) if line.startswith(f"def {function}("))
         end = next((i for i in range(start + 1, len(lines)) if lines[i].startswith("def ")), len(lines))
         return start, end
-    start = next(i for i, line in enumerate(lines) if re.match(rf"(__global__ |__device__ )?(void )?{function}\(", line))
+    start = next(i for i, line in enumerate(lines) if re.match(rf"(__global__ |__device__ )?(inline )?([\w:<>]+ )?{function}\(", line))
     return start, next(i for i in range(start, len(lines)) if lines[i] == "}") + 1
 
 

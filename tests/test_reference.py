@@ -42,3 +42,18 @@ def test_causal_first_row_sees_only_first_key():
     o, L = reference.flash_forward(q, k, v, causal=True, B_r=4, B_c=4)
     torch.testing.assert_close(o[..., 0, :], v[..., 0, :])
     torch.testing.assert_close(L[..., 0], (q[..., 0, :] * k[..., 0, :]).sum(-1) / 4)
+
+
+@pytest.mark.parametrize("split", [1, 13, 32, 47])
+def test_merging_two_halves_of_the_keys_by_L_equals_the_whole(split):
+    # Attention over keys 0..split-1 and over split..N-1, merged by their log-sum-exps, is attention over all
+    q, k, v, _ = random_problem(48, 16, seed=split)
+
+    def part(keys):  # O and L of attention over some of the keys only
+        S = q @ k[..., keys, :].transpose(-1, -2) / 4
+        return torch.softmax(S, dim=-1) @ v[..., keys, :], torch.logsumexp(S, dim=-1)
+
+    o, L = reference.merge(*part(slice(0, split)), *part(slice(split, 48)))
+    o_all, L_all = reference.flash_forward(q, k, v, B_r=16, B_c=16)
+    torch.testing.assert_close(o, o_all, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(L, L_all, rtol=1e-12, atol=1e-12)

@@ -1,10 +1,14 @@
 """Bad input raises a clear TypeError/ValueError in Python, before anything reaches the GPU."""
+import pathlib
+import re
+
 import pytest
 import torch
 
 import main
 from main import flash_attention, list_kernels, pick_kernel
 
+ROOT = pathlib.Path(__file__).resolve().parent.parent
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
 
@@ -33,6 +37,7 @@ def test_bad_inputs(make, error, words):
     (dict(softmax_scale=float("nan")), ValueError, "finite number"),
     (dict(kernel="nope"), ValueError, "unknown kernel 'nope'; valid: 'auto', 'fp32'"),
     (dict(kernel=3), TypeError, "kernel must be a string"),
+    (dict(return_lse=1), TypeError, "return_lse must be True or False"),
 ])
 def test_bad_arguments(kwargs, error, words):
     with pytest.raises(error) as info:
@@ -88,5 +93,31 @@ def test_bad_inputs_on_gpu():
         flash_attention(*qkv((1, 2, 8, 48), device="cuda"))
     with pytest.raises(ValueError, match="one device|v must be a CUDA tensor"):
         flash_attention(q, k, v.cpu()) if torch.cuda.device_count() < 2 else flash_attention(q, k, v.to("cuda:1"))
-    with pytest.raises(ValueError, match="B \\* H must be at most 65535"):
+    with pytest.raises(ValueError, match="B and H must each be at most 65535, got B = 65536"):
         flash_attention(*qkv((65536, 1, 1, 16), device="cuda"))
+
+
+def test_kernel_table_is_read_from_flash_cu():
+    # one source of truth: main.py's table is flash.cu's KERNELS, in its order
+    text = (ROOT / "flash.cu").read_text()
+    rows = text[text.index("constexpr KernelSpec KERNELS[] = {"):].split("};")[0]
+    assert [k["name"] for k in list_kernels()] == re.findall(r'\{"(\w+)", "', rows)
+    assert main.KERNELS["ampere"]["head_dims"] == (64, 128) and main.KERNELS["hopper"]["sm90a"]
+    assert main.KERNELS["volta"]["backward_kernel"] == "fp32"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("layout", ["contiguous", "transposed"])
+def test_fake_implementations(dtype, layout):
+    # what torch.compile traces with: shapes, dtypes and strides of the outputs, without a GPU (meta tensors)
+    B, H, N, d = 2, 3, 5, 64
+    if layout == "transposed":
+        q, k, v = (torch.empty(B, N, H, d, dtype=dtype, device="meta").transpose(1, 2) for _ in range(3))
+    else:
+        q, k, v = (torch.empty(B, H, N, d, dtype=dtype, device="meta") for _ in range(3))
+    o, L = torch.ops.flash.forward(q, k, v, True, 0.125, "auto")
+    assert o.shape == q.shape and o.dtype == dtype and o.stride() == q.stride()
+    assert L.shape == (B, H, N) and L.dtype == torch.float32
+    dq, dk, dv = torch.ops.flash.backward(torch.empty_like(o), None, q, k, v, o, L, True, 0.125, "auto")
+    assert dq.shape == dk.shape == dv.shape == q.shape and dq.dtype == dk.dtype == dv.dtype == dtype
+    assert dk.stride() == k.stride() and dv.stride() == v.stride() and dq.is_contiguous()
