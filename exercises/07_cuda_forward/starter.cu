@@ -26,20 +26,20 @@ flash_fwd_exercise(const float* __restrict__ Q, const float* __restrict__ K, con
   const size_t head = (size_t)blockIdx.y * N * d;
   Q += head; K += head; V += head; O += head; L += (size_t)blockIdx.y * N;
 
-  for (int idx = threadIdx.x; idx < B_r * d; idx += B_r) {                 // l.5: load Q_i (rows >= N: zeros)
+  for (int idx = threadIdx.x; idx < B_r * d; idx += B_r) {                 // l.4: load Q_i (rows >= N: zeros)
     const int rr = idx / d, x = idx % d;                                   // consecutive threads, consecutive x
     Q_s[rr][x] = row0 + rr < N ? Q[(size_t)(row0 + rr) * d + x] : 0.f;
   }
-  float O_i[d];                                                            // l.6: O_i = 0, l_i = 0, m_i = -inf
+  float O_i[d];                                                            // l.5: O_i = 0, l_i = 0, m_i = -inf
   for (int x = 0; x < d; x++) O_i[x] = 0.f;
   float l_i = 0.f, m_i = -INFINITY;                                        // m_i in base-2 units (scores * log2 e)
 
   const int T_c = (N + B_c - 1) / B_c;
   const int j_end = causal ? min(T_c, (row0 + B_r - 1) / B_c + 1) : T_c;  // causal: later blocks all masked
-  for (int j = 0; j < j_end; j++) {                                        // l.7: for 1 <= j <= T_c
+  for (int j = 0; j < j_end; j++) {                                        // l.6: for 1 <= j <= T_c
     const int col0 = j * B_c;
     __syncthreads();  // every thread is done reading K_s, V_s of block j-1 before they are overwritten
-    for (int idx = threadIdx.x; idx < B_c * d; idx += B_r) {               // l.8: load K_j, V_j (keys >= N: zeros)
+    for (int idx = threadIdx.x; idx < B_c * d; idx += B_r) {               // l.7: load K_j, V_j (keys >= N: zeros)
       const int c = idx / d, x = idx % d;
       const bool in = col0 + c < N;
       K_s[c][x] = in ? K[(size_t)(col0 + c) * d + x] : 0.f;
@@ -48,19 +48,19 @@ flash_fwd_exercise(const float* __restrict__ Q, const float* __restrict__ K, con
     __syncthreads();  // K_j, V_j (and Q_i on the first pass) are in shared memory before anyone reads them
 
     float S_ij[B_c];  // this thread's row of S_ij, then of P_ij
-    // TODO 1 (Alg.1 l.9): S_ij[c] = (row r_loc of Q_i) . (row c of K_j) * scale_log2, for c < B_c.
+    // TODO 1 (Alg.1 l.8): S_ij[c] = (row r_loc of Q_i) . (row c of K_j) * scale_log2, for c < B_c.
     //   Key col0 + c must get -INFINITY when it does not exist (>= N) or, if causal, when it is after r.
     // ... your code here (TODO 1: S_ij = Q_i K_j^T, scaled, masked)
 
-    // TODO 2 (Alg.1 l.10-11), in base 2 (exp2f):
+    // TODO 2 (Alg.1 l.9-10), in base 2 (exp2f):
     //   m_new = max(m_i, max_c S_ij[c]);  P_ij[c] = 2^(S_ij[c] - m_new) (store it back into S_ij);
     //   alpha = 2^(m_i - m_new);  l_i = alpha * l_i + sum_c P_ij[c];  O_i[x] = alpha * O_i[x] + sum_c P_ij[c] V_j[c][x];
     //   m_i = m_new.  (m_new is finite: key 0 is never masked and block j = 0 comes first.)
     // ... your code here (TODO 2: online softmax update)
   }
   if (r < N) {
-    for (int x = 0; x < d; x++) O[(size_t)r * d + x] = O_i[x] / l_i;      // l.13: O_i = diag(l_i)^-1 O_i
-    L[r] = (m_i + log2f(l_i)) * LN2;                                       // l.14: L_i = m_i + log(l_i), natural log
+    for (int x = 0; x < d; x++) O[(size_t)r * d + x] = O_i[x] / l_i;      // l.12: O_i = diag(l_i)^-1 O_i
+    L[r] = (m_i + log2f(l_i)) * LN2;                                       // l.13: L_i = m_i + log(l_i), natural log
   }
 }
 

@@ -1,37 +1,56 @@
-"""Exercise 01: merge two partial softmax results (m, l, O~). Fill in the two TODOs.
+"""Exercise 01: combine the partial results of a split-KV forward. Fill in the two TODOs.
 
-A partial result over a set of keys A, for every query row (notebook 03, section 3):
-    m_A  = max_{c in A} s_c                            (..., N_q)      the row max
-    l_A  = sum_{c in A} exp(s_c - m_A)                 (..., N_q)      the row sum
-    O~_A = sum_{c in A} exp(s_c - m_A) v_c             (..., N_q, d)   the unnormalised output
-A set with no keys (for example a block that the causal mask hides completely) is m = -inf, l = 0, O~ = 0.
+A split-KV kernel cuts the keys of every row into k parts, runs the forward on each part separately (in
+parallel, on different thread blocks), and writes per part a normalised output and a log-sum-exp:
+    O_k     = sum_{c in part k} 2^(s'_c) v_c / sum_{c in part k} 2^(s'_c)     (..., N_q, d)
+    lse2_k  = log2( sum_{c in part k} 2^(s'_c) )                               (..., N_q)
+in base 2, as the kernels keep their scores: s'_c = (q . k_c) * softmax_scale * log2(e), so that
+2^(s'_c) = e^(s_c). A part with no visible key for a row (all its keys masked, or no keys at all) has
+lse2_k = -inf there, and its O_k is whatever the kernel left: it may hold NaN.
 """
+import math
+
 import torch
 
-
-def merge(a, b):
-    """(m, l, O~) over the keys of a and of b together, from the two partial results a = (m_a, l_a, O_a)
-    and b = (m_b, l_b, O_b) over disjoint key sets. Shapes (..., N_q), (..., N_q), (..., N_q, d).
-
-    Must be exact (it is the union's triple, not an approximation) and must give the empty triple
-    (-inf, 0, 0) without NaN when both parts are empty."""
-    (m_a, l_a, O_a), (m_b, l_b, O_b) = a, b
-    # TODO 1: m = max(m_a, m_b); rescale each part by exp(m_x - m) and add. Where both parts are empty,
-    # m = -inf and exp(-inf - (-inf)) is NaN: use a finite stand-in for m in the exponentials there.
-    m = torch.maximum(m_a, m_b)                                       # (..., N_q)
-    m_safe = torch.where(torch.isinf(m), torch.zeros_like(m), m)      # -inf only if both parts are empty
-    e_a, e_b = torch.exp(m_a - m_safe), torch.exp(m_b - m_safe)       # exp(-inf) = 0 for an empty part
-    l = e_a * l_a + e_b * l_b
-    O = e_a[..., None] * O_a + e_b[..., None] * O_b                   # (..., N_q, d)
-    return m, l, O
+LOG2E = 1.0 / math.log(2.0)      # log2(e)
+LN2 = math.log(2.0)              # ln(2): a base-2 logarithm times LN2 is a natural one
 
 
-def merge_normalised(a, b):
-    """The same merge for normalised results a = (O_a, L_a), b = (O_b, L_b), with O_x = O~_x / l_x and
-    L_x = m_x + log(l_x) the row log-sum-exp (what a split-KV kernel writes per part).
-    Returns (O, L) over both key sets. Must not overflow for L of a few thousand."""
-    (O_a, L_a), (O_b, L_b) = a, b
-    # TODO 2: L = log(exp(L_a) + exp(L_b)), computed without overflow; O = weights exp(L_x - L) times O_x.
-    L = torch.logaddexp(L_a, L_b)                                     # (..., N_q), stable
-    O = torch.exp(L_a - L)[..., None] * O_a + torch.exp(L_b - L)[..., None] * O_b
-    return O, L
+def combine(O_parts, lse2_parts):
+    """O (..., N_q, d) and lse2 (..., N_q) over all k parts, from O_parts (k, ..., N_q, d) and
+    lse2_parts (k, ..., N_q). Exact; in one pass over the parts (no pairwise fold needed); no overflow
+    for lse2 of a few thousand; empty parts contribute nothing even when their O holds NaN; a row that
+    every part leaves empty gets O = 0 and lse2 = -inf."""
+    # TODO 1: weights 2^(lse2_k - M) relative to the largest lse2 M of each row, then O and lse2.
+    M = lse2_parts.amax(dim=0)                                            # (..., N_q) the largest part
+    M = torch.where(torch.isfinite(M), M, torch.zeros_like(M))            # all parts empty: any finite M
+    w = torch.exp2(lse2_parts - M)                                        # (k, ..., N_q) in [0, 1]
+    total = w.sum(dim=0)                                                  # (..., N_q) >= 1 unless all empty
+    terms = torch.where(w[..., None] > 0, w[..., None] * O_parts, torch.zeros_like(O_parts))  # 0 * NaN is NaN
+    O = terms.sum(dim=0) / torch.where(total > 0, total, torch.ones_like(total))[..., None]
+    return O, M + torch.log2(total)                                       # log2(0) = -inf for empty rows
+
+
+def split_kv_attention(Q, K, V, n_splits, causal=False, softmax_scale=None):
+    """Attention computed as a split-KV kernel does it: keys cut into n_splits contiguous parts, part s
+    holding keys s*N // n_splits .. (s+1)*N // n_splits - 1 (a part may hold no key when n_splits > N);
+    per part O_s and lse2_s computed on their own, then combined. Q, K, V (..., N, d). Causal: query r
+    sees key c only when c <= r. Returns O (..., N, d) and L (..., N), L the natural-log log-sum-exp of
+    the scaled scores (what Algorithm 1 writes)."""
+    N, d = Q.shape[-2], Q.shape[-1]
+    scale_log2 = (1.0 / math.sqrt(d) if softmax_scale is None else softmax_scale) * LOG2E
+    O_parts, lse2_parts = [], []
+    for s in range(n_splits):
+        # TODO 2: this part's keys, its scores in base 2 (masked), its O_s and lse2_s; then combine.
+        c0, c1 = s * N // n_splits, (s + 1) * N // n_splits
+        S = Q @ K[..., c0:c1, :].transpose(-1, -2) * scale_log2          # (..., N, c1 - c0) base 2
+        if causal:
+            r = torch.arange(N, device=Q.device)[:, None]
+            c = torch.arange(c0, c1, device=Q.device)[None, :]            # absolute key indices
+            S = S.masked_fill(c > r, -math.inf)
+        lse2 = torch.logsumexp(S * LN2, dim=-1) * LOG2E                   # (..., N); -inf where all masked
+        P = torch.exp2(S - lse2[..., None])                               # NaN on rows with no key: ignored
+        O_parts.append(P @ V[..., c0:c1, :])
+        lse2_parts.append(lse2)
+    O, lse2 = combine(torch.stack(O_parts), torch.stack(lse2_parts))
+    return O, lse2 * LN2

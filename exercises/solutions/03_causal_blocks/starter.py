@@ -1,9 +1,10 @@
-"""Exercise 03: causal block skipping. Fill in the TODOs.
+"""Exercise 03: which block pairs a sliding-window (local) causal kernel computes. Fill in the TODOs.
 
-With the causal mask, query r sees key c only when c <= r. The N x N score matrix is cut into blocks:
-query block i holds rows i*B_r .. min((i+1)*B_r, N) - 1, key block j holds keys j*B_c .. min((j+1)*B_c, N) - 1
-(indices from 0; the last block of each kind may be shorter). Only real rows and keys (< N) count.
-A block pair (i, j) is
+Sliding-window causal attention (as in Mistral or Longformer's local attention): query r sees key c only
+when r - W < c <= r, the W most recent keys including its own. W >= N is ordinary causal attention.
+The N x N score matrix is cut into blocks: query block i holds rows i*B_r .. min((i+1)*B_r, N) - 1, key
+block j holds keys j*B_c .. min((j+1)*B_c, N) - 1 (indices from 0; the last block of each kind may be
+shorter). Only real rows and keys (< N) count. A block pair (i, j) is
     "skip"     every (r, c) in it is masked: the kernel need not load K_j, V_j for Q_i at all;
     "partial"  some are masked and some are not: the kernel computes S_ij and applies the mask;
     "full"     none is masked: the kernel computes S_ij and needs no mask.
@@ -11,43 +12,45 @@ A block pair (i, j) is
 import math
 
 
-def block_kind(i, j, N, B_r, B_c):
-    """'skip', 'partial' or 'full' for query block i and key block j under the causal mask."""
+def block_kind(i, j, N, B_r, B_c, W):
+    """'skip', 'partial' or 'full' for query block i and key block j under the window W."""
     # TODO 1: the first and last real row of block i, the first and last real key of block j, and compare.
-    r_first, r_last = i * B_r, min((i + 1) * B_r, N) - 1
-    c_first, c_last = j * B_c, min((j + 1) * B_c, N) - 1
-    if c_first > r_last:          # even the last row cannot see the first key
+    r_lo, r_hi = i * B_r, min((i + 1) * B_r, N) - 1
+    c_lo, c_hi = j * B_c, min((j + 1) * B_c, N) - 1
+    if c_lo > r_hi or c_hi <= r_lo - W:          # every key after every row, or before every row's window
         return "skip"
-    if c_last <= r_first:         # even the first row sees the last key
+    if c_hi <= r_lo and c_lo > r_hi - W:         # every key at or before the first row, inside the last's window
         return "full"
     return "partial"
 
 
-def classify_blocks(N, B_r, B_c):
+def classify_blocks(N, B_r, B_c, W):
     """{'skip': {(i, j), ...}, 'partial': {...}, 'full': {...}} over all T_r x T_c block pairs."""
     T_r, T_c = math.ceil(N / B_r), math.ceil(N / B_c)
     kinds = {"skip": set(), "partial": set(), "full": set()}
     for i in range(T_r):
         for j in range(T_c):
-            kinds[block_kind(i, j, N, B_r, B_c)].add((i, j))
+            kinds[block_kind(i, j, N, B_r, B_c, W)].add((i, j))
     return kinds
 
 
-def last_key_block(i, N, B_r, B_c):
-    """The forward's loop bound: the largest j such that (i, j) is not skipped (the forward kernel,
-    one thread block per query block i, loops j = 0 .. last_key_block(i))."""
-    # TODO 2: one line of integer arithmetic (no loop).
-    return (min((i + 1) * B_r, N) - 1) // B_c
+def key_block_range(i, N, B_r, B_c, W):
+    """The forward's loop bounds (first_j, last_j): the forward kernel, one thread block per query block
+    i, computes key blocks first_j .. last_j and skips the others (the non-skipped ones are contiguous)."""
+    # TODO 2: two lines of integer arithmetic (no loop over blocks).
+    r_lo, r_hi = i * B_r, min((i + 1) * B_r, N) - 1
+    return max(0, r_lo - W + 1) // B_c, r_hi // B_c
 
 
-def first_query_block(j, N, B_r, B_c):
-    """The backward's loop start: the smallest i such that (i, j) is not skipped (the backward kernel,
-    one thread block per key block j, loops i = first_query_block(j) .. T_r - 1)."""
-    # TODO 3: one line of integer arithmetic (no loop).
-    return j * B_c // B_r
+def query_block_range(j, N, B_r, B_c, W):
+    """The backward's loop bounds (first_i, last_i): the backward kernel, one thread block per key block
+    j, computes query blocks first_i .. last_i and skips the others."""
+    # TODO 3: two lines of integer arithmetic (no loop over blocks).
+    c_lo, c_hi = j * B_c, min((j + 1) * B_c, N) - 1
+    return c_lo // B_r, min(math.ceil(N / B_r) - 1, (c_hi + W - 1) // B_r)
 
 
-def skipped_fraction(N, B_r, B_c):
-    """The fraction of block pairs the causal kernels skip (tends to 1/2 as N grows)."""
-    kinds = classify_blocks(N, B_r, B_c)
-    return len(kinds["skip"]) / sum(len(v) for v in kinds.values())
+def computed_fraction(N, B_r, B_c, W):
+    """The fraction of block pairs the kernels compute (not skipped)."""
+    kinds = classify_blocks(N, B_r, B_c, W)
+    return 1 - len(kinds["skip"]) / sum(len(v) for v in kinds.values())

@@ -3,8 +3,8 @@
     D (16 x 8, fp32) += A (16 x 16, row-major) * B (16 x 8, column-major)      one warp, 32 lanes
 
 Each lane holds 4 registers of A, 2 of B (two 16-bit values per 32-bit register: `half` 0 is the low
-16 bits, half 1 the high 16 bits) and 4 registers of D (one fp32 value each). The rules are in the
-fragment comment of flash.cu's Ampere section (above mma_m16n8k16<T>); write them as functions. Rows and
+16 bits, half 1 the high 16 bits) and 4 registers of D (one fp32 value each). The rules are in the PTX
+ISA ("Matrix Fragments for mma.m16n8k16 with floating point type") and notebook 06; write them as functions. Rows and
 columns count from 0; for B, row is k (0..15) and column is n (0..7).
 """
 
