@@ -106,9 +106,8 @@ __device__ void load_tile(T* dst, int ld, Rows<const T> X, int row0, int N) {
 
 // The mask, applied to S_ij before the softmax: whether query r may not see key c. Keys at or past N are
 // padding of a ragged last block; with causal, a query sees only the keys up to itself. Kernels skip the
-// test on blocks that no query of the block masks. Bitwise | and &: no short-circuit, so no branches in the
-// unrolled loops that call it (with || and &&, and the block test inside the loop, the hopper forward ran
-// 25% slower).
+// test on blocks that no query of the block masks. Bitwise | and &, not || and &&: no short-circuit, so
+// no branches in the unrolled loops that call it (branches there slowed the hopper forward measurably).
 __device__ bool is_masked(int r, int c, int N, bool causal) { return (c >= N) | (causal & (c > r)); }
 
 // l.13: L_i = m_i + log(l_i), from m_i in base-2 units (see Notation): the natural-log value written to L.
@@ -367,9 +366,9 @@ flash_bwd_fp32(Rows<const float> Q, Rows<const float> K, Rows<const float> V, Ro
 // Tensor cores, one generation at a time: Volta (mma.m8n8k4), Turing (mma.m16n8k8 + ldmatrix), Ampere
 // (mma.m16n8k16 + ldmatrix + cp.async), Hopper (wgmma + TMA). Each generation's section gives its
 // instruction's fragment layout (PTX ISA, "Matrix Fragments for mma.m8n8k4 / m16n8k8 / m16n8k16") and its
-// kernel; what several of them use is here. The file is built
-// for several targets at once; an instruction a target lacks is compiled out there (SM75, SM80) and
-// replaced by a trap, and main.py never launches a kernel on a GPU older than the kernel's min_arch.
+// kernel; what several of them use is here. An extension can be built for several targets at once; an
+// instruction a target lacks is compiled out there (SM75, SM80) and replaced by a trap, and main.py never
+// launches a kernel on a GPU older than the kernel's min_arch.
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 750
 #define SM75 0
 #else
@@ -834,7 +833,7 @@ __device__ void cp_async_tile(T* dst, Rows<const T> src, int row0, int N) {
 // multiplied. And each warp owns 32 rows of Q_i, two 16-row tiles (m = 0, 1), so that every K_j or V_j
 // fragment read from shared memory feeds two mma instead of one. An SM's shared memory delivers 128 bytes
 // per clock, one ldmatrix.x4 (512 bytes) per 4 clocks: with one mma per fragment it, not the tensor cores,
-// set the pace (16 rows per warp measured 208 / 239 TFLOP/s at d = 64 / 128 on an H100, 32 rows 272 / 309).
+// set the pace (docs/gpu-generations.md has the measurements).
 // Q_i's fragments (64 registers at d = 128) no longer fit beside O_i: each is read from shared memory once
 // per k slice and used by B_c/8 mma. Grid (T_r, H, B); NW warps, B_r = 32*NW; warp w owns rows 32w ..
 // 32w+31. Per warp, tile m and block j (nt: 8-column tile, kk: 16-wide k slice):
@@ -928,8 +927,7 @@ flash_fwd_ampere(Rows<const T> Q, Rows<const T> K, Rows<const T> V, Rows<T> O, f
 // each warp computes one (16, d/CW) piece of dQ_i and adds it into an fp32 dQ with atomics (see the fp32
 // backward for why atomics); main.py converts dQ to the input dtype at the end. L_i and D_i travel with
 // Q_i and dO_i: read from global memory where they are used, they cost each thread 64 loads per block that
-// its warp then waited for (Nsight Compute); moving them, with 8-byte atomics and unrolled loops, took the
-// backward from 179 to 252 TFLOP/s (H100, fp16, d = 128, N = 4096).
+// its warp then waited for (Nsight Compute; docs/gpu-generations.md).
 template <typename T, int d, int B_r, int NW>
 __global__ void __launch_bounds__(NW * 32)
 flash_bwd_ampere(Rows<const T> Q, Rows<const T> K, Rows<const T> V, Rows<const T> dO, const float* __restrict__ L,
@@ -1372,8 +1370,7 @@ __device__ void copy_L_D(float* LD, const float* L, const float* D, int row0, in
 // registers hold dK_j and dV_j (64 + 64 per thread at d = 128) and the products in flight. dQ_i sums over
 // the keys of both consumers: after a barrier that joins them, consumer c computes columns (c-1) d/2 ..
 // c d/2 - 1 over all 128 keys and adds them into an fp32 dQ with atomics. (Each consumer adding all columns
-// over its own 64 keys would double the atomic traffic: at d = 64 that made the backward 13-20% slower on an
-// H100.) P_ij^T and dS_ij^T have two buffers each: block i's are written while block i-1's may still be
+// over its own 64 keys would double the atomic traffic, which at d = 64 made the backward slower.) P_ij^T and dS_ij^T have two buffers each: block i's are written while block i-1's may still be
 // read. The CUDA cores compute block i's P and dS while the tensor cores compute block i-1's dV_j and dK_j:
 //   issue S^T, dP^T of block i_start
 //   for i: wait S_ij^T: P_ij^T = exp(S - L_i);  wait dP_ij^T: dS_ij^T = P o (dP - D_i)
@@ -1672,7 +1669,7 @@ template <typename T, int d, int B_c = d == 64 ? 128 : 64>
 void fwd_ampere(const at::Tensor& Q, const at::Tensor& K, const at::Tensor& V, at::Tensor& O, at::Tensor& L,
                 bool causal, float scale, cudaStream_t stream) {
   // Four warps of 32 rows, B_r = 128, and B_c = 128 (d = 64) or 64 (d = 128), as FlashAttention-2 on sm_90;
-  // on an H100 these were faster than key blocks half that size. 255 registers (24 bytes spilled) let two
+  // these were faster than key blocks half that size. 255 registers (24 bytes spilled) let two
   // blocks share an SM.
   constexpr int NW = 4, B_r = 32 * NW;
   const int N = Q.size(2);
@@ -1749,7 +1746,7 @@ template <typename T, int d>
 void bwd_hopper(const at::Tensor& Q, const at::Tensor& K, const at::Tensor& V, const at::Tensor& dO,
                 const at::Tensor& L, const at::Tensor& D, at::Tensor& dQ, at::Tensor& dK, at::Tensor& dV,
                 bool causal, float scale, cudaStream_t stream) {
-  // d = 64: a third stage of Q_i, dO_i measured faster on an H100; at d = 128 it gained nothing, and would
+  // d = 64: a third stage of Q_i, dO_i was faster; at d = 128 it gained nothing, and would
   // take the shared memory to 226 KB.
   constexpr int B_r = 64, B_c = 128, STAGES = d == 64 ? 3 : 2;
   const int N = Q.size(2);

@@ -12,6 +12,7 @@ flash::forward and flash::backward, so torch.compile traces flash_attention with
 `python main.py` builds the kernels for this GPU, checks every available kernel forward and backward
 against float64 and prints a table. Without a GPU it checks reference.py against dense attention instead.
 """
+import importlib.util
 import math
 import os
 import re
@@ -116,7 +117,6 @@ def load(kernel):
     present (or TORCH_CUDA_ARCH_LIST) on first use; later calls, and later processes, reuse the build."""
     if kernel in _extensions:
         return _extensions[kernel]
-    from torch.utils.cpp_extension import load as load_extension
     gencode, tags = [], []
     for arch in _arch_list():  # "8.6", "9.0a", "8.0+PTX"
         number = arch.replace("+PTX", "").replace(".", "")
@@ -126,13 +126,22 @@ def load(kernel):
         tags.append(number + ("ptx" if arch.endswith("+PTX") else ""))
     name = f"flash_{kernel}_sm{'_'.join(tags)}"
     build_dir = os.path.join(ROOT, "build", name)
+    library = os.path.join(build_dir, name + ".so")
+    if os.path.exists(library) and os.path.getmtime(library) > max(os.path.getmtime(os.path.join(ROOT, f))
+                                                                   for f in ("flash.cu", "main.py")):
+        # built after the last edit of its sources: import it as it is (torch's loader would first start
+        # ninja to check that, which costs seconds)
+        spec = importlib.util.spec_from_file_location(name, library)
+        _extensions[kernel] = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(_extensions[kernel])
+        return _extensions[kernel]
+    from torch.utils.cpp_extension import load as load_extension
     os.makedirs(build_dir, exist_ok=True)
-    if not any(f.endswith((".so", ".pyd")) for f in os.listdir(build_dir)):
-        print(f"Building the {kernel} kernel for sm_{', sm_'.join(tags)} (first use only)...", file=sys.stderr,
-              flush=True)
+    print(f"Building the {kernel} kernel for sm_{', sm_'.join(tags)} (first use only)...", file=sys.stderr, flush=True)
     _extensions[kernel] = load_extension(
         name=name, sources=[os.path.join(ROOT, "flash.cu")], build_directory=build_dir,
         extra_cuda_cflags=["-O3", "-std=c++20", "-lineinfo", "-diag-suppress=3189,20013,20015",
+                           "--split-compile=0",  # optimise the kernels of one file on all cores
                            f"-DBUILD_{kernel}", *gencode])
     return _extensions[kernel]
 
