@@ -10,7 +10,8 @@ global memory nothing wrote). Needs a CUDA GPU and compute-sanitizer, which come
 
 The script builds flash.cu first, without a sanitizer, then runs itself once per tool with --case: every
 available kernel, dtype and head dim, forward and autograd backward, B = 1, H = 2, N in (1, 37, 130) (one
-row; one ragged block; several blocks and a ragged last one), causal and not. Racecheck, the slow one, uses
+row; one ragged block; several blocks and a ragged last one), causal and not (causal on transposed views,
+read through their strides). Racecheck, the slow one, uses
 N = 130 only. It prints one line per tool, the output tail of any tool that reported something, and exits
 1 if any did. (pytest collects test_*.py only, so this file is not a test.)
 """
@@ -46,8 +47,12 @@ def run_cases(lengths):
             for d in kn["head_dims"]:
                 for N in lengths:
                     for causal in (False, True):
-                        q, k, v, do = (torch.randn(1, 2, N, d, device="cuda", dtype=getattr(torch, dtype))
+                        # causal: (B, N, H, d) storage seen through .transpose(1, 2), read in place
+                        shape = (1, N, 2, d) if causal else (1, 2, N, d)
+                        q, k, v, do = (torch.randn(shape, device="cuda", dtype=getattr(torch, dtype))
                                        for _ in range(4))
+                        if causal:
+                            q, k, v, do = (t.transpose(1, 2) for t in (q, k, v, do))
                         q, k, v = (t.requires_grad_() for t in (q, k, v))
                         o = main.flash_attention(q, k, v, causal=causal, kernel=kn["name"])
                         grads = torch.autograd.grad(o, (q, k, v), do)
