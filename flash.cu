@@ -63,7 +63,7 @@ struct KernelSpec {
   const char* backward;  // the kernel that computes its gradients, on inputs upcast to its dtype if need be
   const char* about;
 };
-constexpr KernelSpec KERNELS[] = {
+[[maybe_unused]] constexpr KernelSpec KERNELS[] = {  // ([[maybe_unused]]: NVRTC compiles kernels alone)
     {"fp32", "float32", {16, 32, 64, 96, 128}, 70, false, "fp32", "FlashAttention-2 on CUDA cores, fp32"},
     {"volta", "float16", {64, 128}, 70, false, "fp32", "Volta tensor cores: mma.m8n8k4 in four quad pairs, P_ij through shared memory"},
     {"turing", "float16", {64, 128}, 75, false, "fp32", "Turing tensor cores: mma.m16n8k8, ldmatrix, synchronous loads, 64 KB of shared memory"},
