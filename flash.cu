@@ -64,11 +64,16 @@ struct KernelSpec {
   const char* about;
 };
 [[maybe_unused]] constexpr KernelSpec KERNELS[] = {  // ([[maybe_unused]]: NVRTC compiles kernels alone)
-    {"fp32", "float32", {16, 32, 64, 96, 128}, 70, false, "fp32", "FlashAttention-2 on CUDA cores, fp32"},
-    {"volta", "float16", {64, 128}, 70, false, "fp32", "Volta tensor cores: mma.m8n8k4 in four quad pairs, P_ij through shared memory"},
-    {"turing", "float16", {64, 128}, 75, false, "fp32", "Turing tensor cores: mma.m16n8k8, ldmatrix, synchronous loads, 64 KB of shared memory"},
-    {"ampere", "float16 bfloat16", {64, 128}, 80, false, "ampere", "FlashAttention-2 on tensor cores: mma.m16n8k16, ldmatrix, cp.async"},
-    {"hopper", "float16 bfloat16", {64, 128}, 90, true, "hopper", "Hopper: TMA, wgmma, producer and consumer warpgroups (sm_90a)"},
+    {"fp32", "float32", {16, 32, 64, 96, 128}, 70, false, "fp32",
+     "FlashAttention-2 on CUDA cores, fp32"},
+    {"volta", "float16", {64, 128}, 70, false, "fp32",
+     "Volta tensor cores: mma.m8n8k4 in four quad pairs, P_ij through shared memory"},
+    {"turing", "float16", {64, 128}, 75, false, "fp32",
+     "Turing tensor cores: mma.m16n8k8, ldmatrix, synchronous loads, 64 KB of shared memory"},
+    {"ampere", "float16 bfloat16", {64, 128}, 80, false, "ampere",
+     "FlashAttention-2 on tensor cores: mma.m16n8k16, ldmatrix, cp.async"},
+    {"hopper", "float16 bfloat16", {64, 128}, 90, true, "hopper",
+     "Hopper: TMA, wgmma, producer and consumer warpgroups (sm_90a)"},
 };
 
 constexpr float LOG2E = 1.4426950408889634f;  // log2(e): exp(x) = exp2(x * LOG2E)
@@ -82,11 +87,17 @@ __device__ float to_float(__nv_bfloat16 x) { return __bfloat162float(x); }
 // strides (in elements) that can be anything, so that a transposed view (B, N, H, d).transpose(1, 2) or a
 // slice of a packed qkv tensor is read in place. The grid is (blocks, H, B): head() moves ptr to head
 // (blockIdx.z, blockIdx.y), after which row r of that head's (N, d) matrix starts at ptr + r * row.
+// This block's head among the B * H, for the tensors the kernels allocate themselves (L, D (B, H, N) and dQ
+// (B, H, N, d)), which are contiguous.
+__device__ size_t head_index() { return (size_t)blockIdx.z * gridDim.y + blockIdx.y; }
+
 template <typename T>
 struct Rows {
   T* ptr;
   int64_t stride_b, stride_h, stride_n;  // in elements
-  __device__ Rows head() const { return {ptr + blockIdx.z * stride_b + blockIdx.y * stride_h, stride_b, stride_h, stride_n}; }
+  __device__ Rows head() const {
+    return {ptr + blockIdx.z * stride_b + blockIdx.y * stride_h, stride_b, stride_h, stride_n};
+  }
   __device__ T* at(int r) const { return ptr + (int64_t)r * stride_n; }
 };
 
@@ -122,7 +133,7 @@ __global__ void flash_bwd_preprocess(Rows<const T> O, Rows<const T> dO, float* _
   float acc = 0.f;
   for (int x = lane; x < d; x += 32) acc += to_float(O_r[x]) * to_float(dO_r[x]);
   for (int off = 16; off > 0; off /= 2) acc += __shfl_xor_sync(~0u, acc, off);
-  if (lane == 0) D[((size_t)blockIdx.z * gridDim.y + blockIdx.y) * N + row] = acc;
+  if (lane == 0) D[head_index() * N + row] = acc;
 }
 
 // ======================================================================================================
@@ -131,7 +142,8 @@ __global__ void flash_bwd_preprocess(Rows<const T> O, Rows<const T> dO, float* _
 
 // acc[a][b] += sum_k A[(ty*TM + a)*ld + k] * B[(tx + 16*b)*ld + k]   for k < d
 // This thread's (TM, TN) tile of the product X Y^T of two row-major shared tiles, on CUDA cores (fp32 FMAs),
-// for the 8 x 16 thread layout of the fp32 kernels: thread (ty, tx) owns rows ty*TM + a, columns tx + 16*b. Both operands are read as float4 along k.
+// for the 8 x 16 thread layout of the fp32 kernels: thread (ty, tx) owns rows ty*TM + a, columns tx + 16*b.
+// Both operands are read as float4 along k.
 // Bank conflicts: a half-warp shares ty, so A reads are broadcasts; B rows tx + 16*b are ld floats apart
 // and ld/4 is odd, so the 8 threads served together hit 8 different 16-byte bank groups.
 template <int TM, int TN, int d>
@@ -193,7 +205,7 @@ flash_fwd_fp32(Rows<const float> Q, Rows<const float> K, Rows<const float> V, Ro
   const int tx = threadIdx.x % 16, ty = threadIdx.x / 16;
   const int i = gridDim.x - 1 - blockIdx.x, row0 = i * B_r;
   Q = Q.head(), K = K.head(), V = V.head(), O = O.head();
-  L += ((size_t)blockIdx.z * gridDim.y + blockIdx.y) * N;
+  L += head_index() * N;
 
   load_tile<B_r, d, 128>(Q_s, ld, Q, row0, N);                             // l.4: load Q_i
   float O_i[TM][TX] = {}, m_i[TM], l_i[TM] = {};                           // l.5: O_i = 0, l_i = 0, m_i = -inf
@@ -284,8 +296,7 @@ flash_bwd_fp32(Rows<const float> Q, Rows<const float> K, Rows<const float> V, Ro
   const int tx = threadIdx.x % 16, ty = threadIdx.x / 16;
   const int j = blockIdx.x, col0 = j * B_c;
   Q = Q.head(), K = K.head(), V = V.head(), dO = dO.head(), dK = dK.head(), dV = dV.head();
-  const size_t head = (size_t)blockIdx.z * gridDim.y + blockIdx.y;  // L, D (B, H, N) and dQ (B, H, N, d)
-  L += head * N, D += head * N, dQ += head * N * d;                 // are contiguous
+  L += head_index() * N, D += head_index() * N, dQ += head_index() * N * d;
   const float scale_log2 = scale * LOG2E;
 
   load_tile<B_c, d, 128>(K_s, ld, K, col0, N);                             // l.6: load K_j, V_j
@@ -578,7 +589,7 @@ flash_fwd_volta(Rows<const __half> Q, Rows<const __half> K, Rows<const __half> V
   const int p = lane % 4, rh = lane / 4 % 2, ch = lane / 8 % 2, hi = lane / 16;
   const int i = gridDim.x - 1 - blockIdx.x, row0 = i * B_r + 16 * warp;  // row0: this warp's first row
   Q = Q.head(), K = K.head(), V = V.head(), O = O.head();
-  L += ((size_t)blockIdx.z * gridDim.y + blockIdx.y) * N;
+  L += head_index() * N;
   const int T_c = (N + B_c - 1) / B_c;
   const int j_end = causal ? min(T_c, (i * B_r + B_r - 1) / B_c + 1) : T_c;
 
@@ -693,7 +704,7 @@ flash_fwd_turing(Rows<const __half> Q, Rows<const __half> K, Rows<const __half> 
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
   const int i = gridDim.x - 1 - blockIdx.x, row0 = i * B_r;
   Q = Q.head(), K = K.head(), V = V.head(), O = O.head();
-  L += ((size_t)blockIdx.z * gridDim.y + blockIdx.y) * N;
+  L += head_index() * N;
   const int T_c = (N + B_c - 1) / B_c;
   const int j_end = causal ? min(T_c, (row0 + B_r - 1) / B_c + 1) : T_c;
 
@@ -851,7 +862,7 @@ flash_fwd_ampere(Rows<const T> Q, Rows<const T> K, Rows<const T> V, Rows<T> O, f
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
   const int i = gridDim.x - 1 - blockIdx.x, row0 = i * B_r;
   Q = Q.head(), K = K.head(), V = V.head(), O = O.head();
-  L += ((size_t)blockIdx.z * gridDim.y + blockIdx.y) * N;
+  L += head_index() * N;
   const int T_c = (N + B_c - 1) / B_c;
   const int j_end = causal ? min(T_c, (row0 + B_r - 1) / B_c + 1) : T_c;
   const T* Q_w = Q_s + 32 * warp * ld;  // this warp's 32 rows of Q_i
@@ -946,8 +957,7 @@ flash_bwd_ampere(Rows<const T> Q, Rows<const T> K, Rows<const T> V, Rows<const T
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
   const int j = blockIdx.x, col0 = j * B_c;
   Q = Q.head(), K = K.head(), V = V.head(), dO = dO.head(), dK = dK.head(), dV = dV.head();
-  const size_t head = (size_t)blockIdx.z * gridDim.y + blockIdx.y;  // L, D (B, H, N) and dQ (B, H, N, d)
-  L += head * N, D += head * N, dQ += head * N * d;                 // are contiguous
+  L += head_index() * N, D += head_index() * N, dQ += head_index() * N * d;
   const float scale_log2 = scale * LOG2E;
   const int T_r = (N + B_r - 1) / B_r, i_start = causal ? col0 / B_r : 0;  // causal: skip blocks above
   const T* K_w = K_s + 16 * warp * ld;  // this warp's 16 keys
@@ -1110,7 +1120,8 @@ __device__ inline void mbar_wait(uint32_t bar, int parity) {  // until the phase
 // for (r, c) in the map's box (rows, 64): dst[swizzled (r, c)] = X[b][h][row + r][col + c], zero past N,
 // for this block's head (h, b) = (blockIdx.y, blockIdx.z); the copy runs on its own and counts its bytes on bar.
 __device__ inline void tma_load(uint32_t dst, const CUtensorMap& map, int col, int row, uint32_t bar) {
-  asm volatile("cp.async.bulk.tensor.4d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3, %4, %5}], [%6];"
+  asm volatile("cp.async.bulk.tensor.4d.shared::cluster.global.mbarrier::complete_tx::bytes"
+               " [%0], [%1, {%2, %3, %4, %5}], [%6];"
                ::"r"(dst), "l"(reinterpret_cast<uint64_t>(&map)), "r"(col), "r"(row), "r"(blockIdx.y), "r"(blockIdx.z),
                "r"(bar) : "memory");
 }
@@ -1329,7 +1340,7 @@ flash_fwd_hopper(const __grid_constant__ CUtensorMap Q_map, const __grid_constan
     issue_PV((j_end - 1) % STAGES);
     if (wg < NWG) next_turn();  // (the last consumer's turn token would never be taken)
     wgmma_wait<0>(O_i);
-    write_O_L<T, d>(O_i, m_i, l_i, O.head(), L + ((size_t)blockIdx.z * gridDim.y + blockIdx.y) * N, r, t, N);  // l.12-15
+    write_O_L<T, d>(O_i, m_i, l_i, O.head(), L + head_index() * N, r, t, N);  // l.12-15
   }
 #endif
 }
@@ -1370,7 +1381,8 @@ __device__ void copy_L_D(float* LD, const float* L, const float* D, int row0, in
 // registers hold dK_j and dV_j (64 + 64 per thread at d = 128) and the products in flight. dQ_i sums over
 // the keys of both consumers: after a barrier that joins them, consumer c computes columns (c-1) d/2 ..
 // c d/2 - 1 over all 128 keys and adds them into an fp32 dQ with atomics. (Each consumer adding all columns
-// over its own 64 keys would double the atomic traffic, which at d = 64 made the backward slower.) P_ij^T and dS_ij^T have two buffers each: block i's are written while block i-1's may still be
+// over its own 64 keys would double the atomic traffic, which at d = 64 made the backward slower.) P_ij^T and
+// dS_ij^T have two buffers each: block i's are written while block i-1's may still be
 // read. The CUDA cores compute block i's P and dS while the tensor cores compute block i-1's dV_j and dK_j:
 //   issue S^T, dP^T of block i_start
 //   for i: wait S_ij^T: P_ij^T = exp(S - L_i);  wait dP_ij^T: dS_ij^T = P o (dP - D_i)
@@ -1396,7 +1408,6 @@ flash_bwd_hopper(const __grid_constant__ CUtensorMap Q_map, const __grid_constan
   auto full = [&](int s) { return KV_full + 8 * (1 + s); };
   auto empty = [&](int s) { return KV_full + 8 * (1 + STAGES + s); };
   const int wg = threadIdx.x / 128, j = blockIdx.x, col0 = j * B_c;
-  const size_t head = (size_t)blockIdx.z * gridDim.y + blockIdx.y;  // L, D (B, H, N), dQ (B, H, N, d): contiguous
   const int T_r = (N + B_r - 1) / B_r, i_start = causal ? col0 / B_r : 0;  // causal: blocks above skipped
   auto stage = [&](int i) { return (i - i_start) % STAGES; };  // query block i's stage, and how many times
   auto round = [&](int i) { return (i - i_start) / STAGES; };  // that stage has been filled before it
@@ -1429,8 +1440,8 @@ flash_bwd_hopper(const __grid_constant__ CUtensorMap Q_map, const __grid_constan
       for (int i = i_start; i < T_r; i++) {  // not 16-byte aligned); each lane arrives on full(s) when done
         const int s = stage(i);
         if (round(i) > 0) mbar_wait(empty(s), (round(i) - 1) % 2);
-        copy_L_D<B_r>(reinterpret_cast<float*>(__cvta_shared_to_generic(LD_s(s))), L + head * N, D + head * N,
-                      i * B_r, N);
+        copy_L_D<B_r>(reinterpret_cast<float*>(__cvta_shared_to_generic(LD_s(s))), L + head_index() * N,
+                      D + head_index() * N, i * B_r, N);
         mbar_arrive(full(s));
       }
     }
@@ -1482,7 +1493,7 @@ flash_bwd_hopper(const __grid_constant__ CUtensorMap Q_map, const __grid_constan
         const int r = i * B_r + 16 * warp + g + 8 * h;  // dQ_i's rows are queries: this lane's are r, r + 8
         if (r < N)
           for (int nt = 0; nt < d / 16; nt++)
-            atomic_add_pair(&dQ[(head * N + r) * d + n0 + 8 * nt + 2 * t], scale * dQ_i[nt][2 * h],
+            atomic_add_pair(&dQ[(head_index() * N + r) * d + n0 + 8 * nt + 2 * t], scale * dQ_i[nt][2 * h],
                             scale * dQ_i[nt][2 * h + 1]);
       }
     };
@@ -1717,7 +1728,8 @@ CUtensorMap tensor_map(const at::Tensor& X, int rows) {
     TORCH_CHECK(found == cudaDriverEntryPointSuccess, "the CUDA driver has no cuTensorMapEncodeTiled");
   }
   const cuuint64_t bytes = X.element_size();
-  const cuuint64_t dims[4] = {cuuint64_t(X.size(3)), cuuint64_t(X.size(2)), cuuint64_t(X.size(1)), cuuint64_t(X.size(0))};
+  const cuuint64_t dims[4] = {cuuint64_t(X.size(3)), cuuint64_t(X.size(2)), cuuint64_t(X.size(1)),
+                              cuuint64_t(X.size(0))};  // (d, N, H, B)
   const cuuint64_t strides[3] = {stride(X, 2) * bytes, stride(X, 1) * bytes, stride(X, 0) * bytes};  // dims 1..3
   const cuuint32_t box[4] = {64, cuuint32_t(rows), 1, 1}, steps[4] = {1, 1, 1, 1};
   CUtensorMap map;
