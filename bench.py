@@ -6,11 +6,17 @@
     python bench.py --batch 4 --heads 16 --layout contiguous,transposed   # fixed B and H; also nanoGPT's layout
     python bench.py --out docs/benchmarks --markdown docs/benchmarks.md   # measure, rewrite the docs page
     python bench.py --plot-from docs/benchmarks/results.json --markdown docs/benchmarks.md   # no GPU needed
+    python bench.py --decode --out docs/benchmarks --markdown docs/benchmarks.md   # N_q = 1 against a KV cache
+    python bench.py --plot-from docs/benchmarks/decode.json --markdown docs/benchmarks.md  # its section, no GPU
+
+--decode times one query per sequence (decoding a token) against K, V caches of N_k keys, H_q = 32, d = 128,
+forward only: our split-KV kernels, SDPA and manual attention, in GB/s and % of the GPU's memory bandwidth. It
+writes decode.json and replaces only the section "Decoding" of the markdown page.
 
 Each system is checked against a float32 reference before it is timed. Row status: ok, OOM, unsupported (an SDPA
 backend refused, or a kernel has no backward for the dtype), MISMATCH (not timed), ERROR. Exit status 2 if a row
-is MISMATCH or ERROR, 1 without a GPU. --out (default bench_results/) gets results.json (a table: pandas.DataFrame(
-json.load(f)["rows"])) and the figures; --plot-from draws the figures beside its file.
+is MISMATCH or ERROR, 1 without a GPU. --out (default bench_results/) gets results.json or decode.json (a table:
+pandas.DataFrame(json.load(f)["rows"])) and the figures; --plot-from draws the figures beside its file.
 """
 import argparse, contextlib, datetime, gc, importlib.metadata, importlib.util, itertools, json  # noqa: E401
 import math, os, re, shlex, sys, warnings  # noqa: E401
@@ -36,8 +42,9 @@ SDPA = {"sdpa": None, "sdpa-flash": "FLASH_ATTENTION", "sdpa-efficient": "EFFICI
 # Largest error allowed (see max_error). PyTorch's fused kernels reached 1e-2 (fp16) and 2e-1 (bf16, dq of
 # causal N=65536) on an H200; bf16 gets 8x for 3 fewer mantissa bits. A real bug (a wrong row) gives 0.5 and more.
 TOLERANCE = {"fp16": 5e-2, "bf16": 4e-1, "fp32": 1e-3}
-# Dense peak TFLOP/s from NVIDIA's data sheets (tensor cores with fp32 sums; CUDA cores for fp32, TF32 off). Keys
-# match whole words of the GPU's name, first match wins: specific names come first ("A10" is not "A100", "A10G").
+# Dense peak TFLOP/s from NVIDIA's data sheets (tensor cores with fp32 sums; CUDA cores for fp32, TF32 off). A key's
+# words must each be a whole word of the GPU's name ("A100 80GB" matches "NVIDIA A100-SXM4-80GB"); the first key
+# that matches wins, so specific names come first ("A10" is not "A100", "A10G").
 PEAK_TFLOPS = [("H100 PCIe", {"fp16": 756.5, "bf16": 756.5, "fp32": 51.0}),
                ("H100 NVL", {"fp16": 835.5, "bf16": 835.5, "fp32": 60.0}),
                ("H100", {"fp16": 989.4, "bf16": 989.4, "fp32": 66.9}),
@@ -46,6 +53,9 @@ PEAK_TFLOPS = [("H100 PCIe", {"fp16": 756.5, "bf16": 756.5, "fp32": 51.0}),
                ("T4", {"fp16": 65.0, "fp32": 8.1}), ("RTX 4090", {"fp16": 165.2, "bf16": 165.2, "fp32": 82.6}),
                ("L4", {"fp16": 121.0, "bf16": 121.0, "fp32": 30.3}),
                ("A10", {"fp16": 125.0, "bf16": 125.0, "fp32": 31.2})]
+# Peak memory (HBM) bandwidth in TB/s from the same data sheets, keys matched as PEAK_TFLOPS's.
+PEAK_TBPS = [("H100 PCIe", 2.0), ("H100 NVL", 3.9), ("H100", 3.35), ("H200", 4.8), ("A100 80GB", 2.0),
+             ("A100 40GB", 1.555)]
 QUICK = "--seqlens 1024,4096 --d 64 --dtype fp16,fp32 --modes fwd,fwd_bwd --causal off --warmup 5 --rep 20".split()
 # The fields of a row, and how the terminal and the markdown page show them: (field, header, width, format).
 COLUMNS = [("dtype", "dtype", 5, "{}"), ("d", "d", 3, "{}"), ("causal", "causal", 6, "{}"), ("mode", "mode", 7, "{}"),
@@ -56,6 +66,17 @@ COLUMNS = [("dtype", "dtype", 5, "{}"), ("d", "d", 3, "{}"), ("causal", "causal"
            ("memory_saving", "mem saving", 10, "{:.1f}x"), ("max_error", "max err", 7, "{:.0e}")]
 ROW_FIELDS = [field for field, *_ in COLUMNS] + ["note"]
 GROUP_FIELDS = ("mode", "dtype", "d", "causal")  # one figure and one markdown table each
+# Decoding: one new token per sequence (N_q = 1) against a K, V cache of N_k keys in H_kv heads; shapes of an 8B
+# model (H_q = 32, d = 128; H_kv = 8 is its grouped-query attention). SDPA is the unit; manual expands K and V.
+DECODE_HEADS, DECODE_HEAD_DIM = 32, 128
+DECODE_SDPA = ["sdpa", "sdpa-flash", "sdpa-cudnn"]
+DECODE_TITLE = "## Decoding (N_q = 1, split-KV)"  # the markdown page's section that --decode owns
+DECODE_COLUMNS = [("dtype", "dtype", 5, "{}"), ("batch", "B", 3, "{}"), ("heads", "H_q", 3, "{}"),
+                  ("kv_heads", "H_kv", 4, "{}"), ("seqlen_k", "N_k", 6, "{}"), ("system", "system", 10, "{}"),
+                  ("status", "status", 11, "{}"), ("ms", "ms", 9, "{:.3f}"), ("gbps", "GB/s", 6, "{:.0f}"),
+                  ("pct_hbm", "%HBM", 5, "{:.1f}"), ("vs_sdpa", "vs SDPA", 7, "{:.2f}x"),
+                  ("max_error", "max err", 7, "{:.0e}")]
+DECODE_ROW_FIELDS = [field for field, *_ in DECODE_COLUMNS] + ["note"]
 
 
 def attention_flops(batch, heads, seqlen, head_dim, causal, mode):
@@ -63,10 +84,27 @@ def attention_flops(batch, heads, seqlen, head_dim, causal, mode):
     return 4 * batch * heads * seqlen**2 * head_dim / (2 if causal else 1) * MODE_FLOP_FACTOR[mode]
 
 
+def lookup(table, gpu_name):
+    """The value of the first key of a (key, value) table whose words are all whole words of the GPU's name."""
+    matches = (value for key, value in table
+               if all(re.search(rf"\b{re.escape(word)}\b", gpu_name) for word in key.split()))
+    return next(matches, None)
+
+
 def peak_tflops(gpu_name, dtype_name):
     """Dense peak TFLOP/s of a GPU for a dtype, or None when not in our table."""
-    matches = (peaks for key, peaks in PEAK_TFLOPS if re.search(rf"\b{re.escape(key)}\b", gpu_name))
-    return next(matches, {}).get(dtype_name)
+    return (lookup(PEAK_TFLOPS, gpu_name) or {}).get(dtype_name)
+
+
+def peak_bandwidth(gpu_name):
+    """Peak memory bandwidth of a GPU in TB/s, or None when not in our table."""
+    return lookup(PEAK_TBPS, gpu_name)
+
+
+def decode_bytes(row):
+    """Bytes one decoding step moves at least: K and V read once, q read and o written, all in the dtype."""
+    keys_values = 2 * row["batch"] * row["kv_heads"] * row["seqlen_k"]
+    return DTYPES[row["dtype"]].itemsize * DECODE_HEAD_DIM * (keys_values + 2 * row["batch"] * row["heads"])
 
 
 def comma_list(item_type=str, choices=None):
@@ -81,11 +119,13 @@ def comma_list(item_type=str, choices=None):
 
 def parse_args(argv):
     systems = ["manual", *(kernel["name"] for kernel in list_kernels()), *SDPA]  # in run order: manual is the unit
+    split_kv = [kernel["name"] for kernel in list_kernels() if kernel["split_kv"]]  # ours that decode
+    decode_systems = [*split_kv, *DECODE_SDPA, "manual"]  # manual last: it needs the most memory
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0], epilog="Examples: the top of bench.py.")
     add = parser.add_argument
     add("--quick", action="store_true", help=" ".join(QUICK) + " (flags given win)")
     add("--kernels", type=comma_list(str, systems), metavar="LIST", help="default: all of " + ",".join(systems))
-    add("--dtype", type=comma_list(str, DTYPES), metavar="LIST", default="fp16,bf16,fp32", help="default: %(default)s")
+    add("--dtype", type=comma_list(str, DTYPES), metavar="LIST", help="default: fp16,bf16,fp32 (--decode: fp16,bf16)")
     add("--causal", choices=["on", "off", "both"], default="both", help="default: %(default)s")
     add("--d", type=comma_list(int), metavar="LIST", default="64,128", help="head dims (default: %(default)s)")
     add("--modes", type=comma_list(str, MODE_FLOP_FACTOR), default="fwd,bwd,fwd_bwd", help="default: %(default)s")
@@ -96,13 +136,31 @@ def parse_args(argv):
     add("--heads", type=int, help="fixed number of heads (default: 2048 // d)")
     add("--warmup", type=float, default=25.0, help="warm-up per measurement in ms (default: %(default)s)")
     add("--rep", type=float, default=100.0, help="measuring time per measurement in ms (default: %(default)s)")
-    add("--out", type=Path, help="folder for results.json and the figures (default: bench_results)")
-    add("--markdown", type=Path, metavar="FILE", help="also write a markdown page (docs/benchmarks.md)")
-    add("--plot-from", type=Path, metavar="FILE", help="redraw a saved results.json instead of running (no GPU)")
+    add("--out", type=Path, help="folder for results.json (decode.json) and the figures (default: bench_results)")
+    add("--markdown", type=Path, metavar="FILE", help="also write a markdown page (docs/benchmarks.md); with "
+        "--decode, only its decoding section")
+    add("--plot-from", type=Path, metavar="FILE", help="redraw a saved results.json or decode.json instead of "
+        "running (no GPU)")
+    add("--decode", action="store_true", help=f"the decoding sweep instead: N_q = 1, H_q = {DECODE_HEADS}, "
+        f"d = {DECODE_HEAD_DIM}, forward; systems: {','.join(decode_systems)} (ours where they run the dtype); "
+        "the flags above from --causal to --heads do not apply")
+    add("--decode-batch", type=comma_list(int), metavar="LIST", default="1,8,32", help="batch sizes B (default: "
+        "%(default)s)")
+    add("--decode-seqlens", type=comma_list(int), metavar="LIST", default="4096,32768,131072",
+        help="cache lengths N_k (default: %(default)s)")
+    add("--decode-kv-heads", type=comma_list(int), metavar="LIST", default="32,8", help=f"K, V heads H_kv, "
+        f"divisors of H_q = {DECODE_HEADS} (default: %(default)s)")
     args = parser.parse_args(argv)
     if args.quick:
         args = parser.parse_args(QUICK + argv)  # flags given come after the preset's, so they win
     args.causal = {"off": [False], "on": [True], "both": [False, True]}[args.causal]
+    args.dtype = args.dtype or (["fp16", "bf16"] if args.decode else ["fp16", "bf16", "fp32"])
+    if args.decode:
+        if any(DECODE_HEADS % heads for heads in args.decode_kv_heads):
+            parser.error(f"--decode-kv-heads: each must divide H_q = {DECODE_HEADS}")
+        if set(args.kernels or []) - set(decode_systems):
+            parser.error(f"--decode runs only {','.join(decode_systems)}")
+        systems = decode_systems
     args.systems = [system for system in systems if args.kernels is None or system in args.kernels]
     return args
 
@@ -136,8 +194,9 @@ def attention_fn(system, causal, scale):
     """f(q, k, v) -> output for one system."""
     if system == "manual":
         return lambda q, k, v: reference.attention(q, k, v, causal, scale)
-    if system in SDPA:
-        return lambda q, k, v: torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale)
+    if system in SDPA:  # enable_gqa: k, v have fewer heads than q (decoding); without it SDPA refuses them
+        return lambda q, k, v: torch.nn.functional.scaled_dot_product_attention(
+            q, k, v, is_causal=causal, scale=scale, enable_gqa=k.shape[1] < q.shape[1])
     return lambda q, k, v: flash_attention(q, k, v, causal=causal, softmax_scale=scale, kernel=system)
 
 
@@ -186,6 +245,13 @@ def add_ratios(rows, peak):
     return rows
 
 
+def fitting_kernels(kernels, dtype, d):
+    """The names of our kernels that run dtype ("fp16", ...) with head dim d on this GPU."""
+    torch_dtype = str(DTYPES[dtype]).removeprefix("torch.")  # as list_kernels() names it: float16, ...
+    return {name for name, kernel in kernels.items()
+            if kernel["available"] and torch_dtype in kernel["dtypes"] and d in kernel["head_dims"]}
+
+
 def bench_problem(problem, kernels, args, peak):
     """Yield the rows of one problem, every layout, mode and system on the same inputs."""
     causal, scale, dtype, d = problem["causal"], problem["d"] ** -0.5, problem["dtype"], problem["d"]
@@ -193,9 +259,7 @@ def bench_problem(problem, kernels, args, peak):
     shape = (problem["batch"], problem["heads"], problem["seqlen"], d)
     inputs = [torch.randn(shape, dtype=DTYPES[dtype], device="cuda", generator=generator) for _ in range(4)]
     refs = reference_outputs(*inputs[:3], inputs[3] if args.modes != ["fwd"] else None, causal, scale)
-    torch_dtype = str(DTYPES[dtype]).removeprefix("torch.")  # as list_kernels() names it: float16, ...
-    fits = {name for name, kernel in kernels.items()  # our kernels for this dtype and d on this GPU
-            if kernel["available"] and torch_dtype in kernel["dtypes"] and d in kernel["head_dims"]}
+    fits = fitting_kernels(kernels, dtype, d)
     for layout, mode in itertools.product(args.layout, args.modes):
         # The same values in both layouts; transposed holds them as (B, N, H, d) in memory.
         views = inputs if layout == "contiguous" else [t.transpose(1, 2).contiguous().transpose(1, 2) for t in inputs]
@@ -214,8 +278,73 @@ def bench_problem(problem, kernels, args, peak):
         yield from add_ratios(rows, peak)
 
 
-def run_sweep(args, command):
-    """Run every requested problem; print its rows as it completes."""
+def decode_memory(problem):
+    """Bytes one decoding problem holds before any system runs: q, K, V (and o) in the dtype, and what
+    decode_reference holds for one batch element: its K and V in float32 and, when H_kv < H_q, expanded."""
+    float_heads = problem["kv_heads"] + (problem["heads"] if problem["kv_heads"] < problem["heads"] else 0)
+    return decode_bytes(problem) + 2 * problem["seqlen_k"] * DECODE_HEAD_DIM * 4 * float_heads
+
+
+def decode_reference(q, k, v, scale):
+    """O in float32 by reference.attention, one batch element at a time: a float32 copy of the whole cache
+    would need twice its memory, and H_q / H_kv times that again where reference.py expands K, V for GQA."""
+    return torch.cat([reference.attention(*(t[b:b + 1].float() for t in (q, k, v)), False, scale)
+                      for b in range(q.shape[0])])
+
+
+def decode_inputs(problem):
+    """(q, k, v, the float32 reference output), or (None, a note) where they do not fit in the GPU's free
+    memory: checked before allocating, as one problem (B=32, N_k=131072, H_kv=32: 64 GiB) may fill it."""
+    gc.collect()  # the last problem's cache is garbage now: hand its memory back to the GPU before counting
+    torch.cuda.empty_cache()
+    needed, free = decode_memory(problem), torch.cuda.mem_get_info()[0]
+    note = f"needs {needed / 2**30:.1f} GiB, {free / 2**30:.1f} GiB free"
+    if needed > free:
+        return None, note
+    generator, dtype = torch.Generator(device="cuda").manual_seed(0), DTYPES[problem["dtype"]]
+    batch, seqlen_k = problem["batch"], problem["seqlen_k"]
+    try:
+        q = torch.randn(batch, problem["heads"], 1, DECODE_HEAD_DIM, dtype=dtype, device="cuda", generator=generator)
+        k, v = (torch.randn(batch, problem["kv_heads"], seqlen_k, DECODE_HEAD_DIM, dtype=dtype, device="cuda",
+                            generator=generator) for _ in range(2))
+        return (q, k, v, decode_reference(q, k, v, DECODE_HEAD_DIM ** -0.5)), None
+    except torch.cuda.OutOfMemoryError:  # fragmentation, or another process took memory since
+        return None, note
+
+
+def add_bandwidth(rows, peak):
+    """GB/s, % of the peak bandwidth (TB/s) and the ratio to SDPA's default choice, for the rows of one
+    decoding problem: above 1 is faster than what scaled_dot_product_attention picks."""
+    ok = {row["system"]: row for row in rows if row["status"] == "ok"}
+    for row in ok.values():
+        row["gbps"] = decode_bytes(row) / row["ms"] / 1e6  # bytes per ms -> GB/s
+        row["pct_hbm"] = 100 * row["gbps"] / (1000 * peak) if peak else None
+        row["vs_sdpa"] = ok["sdpa"]["ms"] / row["ms"] if "sdpa" in ok else None
+    return rows
+
+
+def bench_decode_problem(problem, kernels, args, peak):
+    """Yield the rows of one decoding problem: every system on the same K, V cache, or OOM rows."""
+    fits = fitting_kernels(kernels, problem["dtype"], DECODE_HEAD_DIM)
+    rows = [dict.fromkeys(DECODE_ROW_FIELDS) | problem | {"system": system}
+            for system in args.systems if system not in kernels or system in fits]
+    inputs, note = decode_inputs(problem)
+    if inputs is None:
+        yield from (row | {"status": "OOM", "note": note} for row in rows)
+        return
+    q, k, v, ref = inputs
+    for row in rows:
+        result = measure(row["system"], (q, k, v, None), [ref], "fwd", False, DECODE_HEAD_DIM ** -0.5,
+                         TOLERANCE[problem["dtype"]], args)
+        row.update((key, value) for key, value in result.items() if key in row)  # all but the peak memory
+        if row["status"] == "OOM":
+            gc.collect()
+    yield from add_bandwidth(rows, peak)
+
+
+def prepare(args, command, shapes, **extra):
+    """Set up a run and describe it: float32 matmuls really float32, our kernels built; returns {name: info}
+    of our kernels and the run's metadata."""
     torch.backends.cuda.matmul.allow_tf32 = False  # manual attention must really be float32 in fp32 rows
     # Autograd's own thread warns when it first calls cuBLAS; that is harmless.
     warnings.filterwarnings("ignore", message="Attempting to run cuBLAS, but there was no current CUDA context")
@@ -228,9 +357,16 @@ def run_sweep(args, command):
     major, minor = torch.cuda.get_device_capability()
     metadata = {"gpu": torch.cuda.get_device_name(), "compute_capability": f"sm_{major}{minor}",
                 "torch": torch.__version__, "cuda": torch.version.cuda, "python": sys.version.split()[0],
-                "timer": timer, "shapes": f"B={args.batch or '16384//N'}, H={args.heads or '2048//d'}",
-                "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"), "command": command}
+                "timer": timer, "shapes": shapes,
+                "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"), "command": command,
+                **extra}
     print(f"{metadata['gpu']}, torch {metadata['torch']}, CUDA {metadata['cuda']}, timer: {timer}")
+    return kernels, metadata
+
+
+def run_sweep(args, command):
+    """Run every requested problem; print its rows as it completes."""
+    kernels, metadata = prepare(args, command, f"B={args.batch or '16384//N'}, H={args.heads or '2048//d'}")
     print(*table_lines([]), sep="\n")
     rows = []
     for dtype, d, causal, seqlen in itertools.product(args.dtype, args.d, args.causal, args.seqlens):
@@ -239,6 +375,20 @@ def run_sweep(args, command):
         for row in bench_problem(problem, kernels, args, peak_tflops(metadata["gpu"], dtype)):
             rows.append(row)
             print(table_lines([row])[-1], flush=True)
+    return metadata, rows
+
+
+def run_decode(args, command):
+    """Run every requested decoding problem, one K, V cache at a time; print its rows as it completes."""
+    kernels, metadata = prepare(args, command, f"H_q={DECODE_HEADS}, d={DECODE_HEAD_DIM}, N_q=1", sweep="decode")
+    print(*table_lines([], DECODE_COLUMNS), sep="\n")
+    rows = []
+    for dtype, batch, seqlen_k, kv_heads in itertools.product(args.dtype, args.decode_batch, args.decode_seqlens,
+                                                              args.decode_kv_heads):
+        problem = {"dtype": dtype, "batch": batch, "heads": DECODE_HEADS, "kv_heads": kv_heads, "seqlen_k": seqlen_k}
+        for row in bench_decode_problem(problem, kernels, args, peak_bandwidth(metadata["gpu"])):
+            rows.append(row)
+            print(table_lines([row], DECODE_COLUMNS)[-1], flush=True)
     return metadata, rows
 
 
@@ -261,12 +411,18 @@ def group_rows(rows):
     return {t: [row for row in rows if group_title(row) == t] for t in dict.fromkeys(map(group_title, rows))}
 
 
-def write_figures(out_dir, metadata, rows):
-    """One PNG per (mode, dtype, d, causal): TFLOP/s and peak memory against N, a line per system and layout."""
+def pyplot(out_dir):
+    """matplotlib.pyplot drawing to files only (it works without a display), and out_dir made."""
     import matplotlib
-    matplotlib.use("Agg")  # files only; works without a display
+    matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     out_dir.mkdir(parents=True, exist_ok=True)
+    return plt
+
+
+def write_figures(out_dir, metadata, rows):
+    """One PNG per (mode, dtype, d, causal): TFLOP/s and peak memory against N, a line per system and layout."""
+    plt = pyplot(out_dir)
     colors = plt.get_cmap("tab10").colors + plt.get_cmap("Dark2").colors
     systems, figures = list(dict.fromkeys(row["system"] for row in rows)), {}  # a system has one colour everywhere
     for title, group in group_rows(rows).items():
@@ -291,13 +447,96 @@ def write_figures(out_dir, metadata, rows):
     return figures
 
 
-def write_markdown(path, metadata, rows, figures, results, render_command):
-    """The benchmark page: metadata, then a figure and a table per group."""
+def write_decode_figure(out_dir, metadata, rows):
+    """[decode.png]: % of peak bandwidth (GB/s where the peak is unknown) against N_k, a panel per batch size and
+    dtype, a line per system and H_kv; [] without rows."""
+    if not rows:
+        return []
+    plt = pyplot(out_dir)
+    colors = plt.get_cmap("tab10").colors
+    field, label = ("pct_hbm", "% of peak bandwidth") if any(row["pct_hbm"] for row in rows) else ("gbps", "GB/s")
+    batches, dtypes, systems, kv_heads = (list(dict.fromkeys(row[key] for row in rows))
+                                          for key in ("batch", "dtype", "system", "kv_heads"))
+    fig, axes = plt.subplots(len(batches), len(dtypes), figsize=(7 * len(dtypes), 3.6 * len(batches)), squeeze=False,
+                             sharey=True, layout="constrained")
+    for ax, (batch, dtype) in zip(axes.flat, itertools.product(batches, dtypes)):
+        group = [row for row in rows if (row["batch"], row["dtype"]) == (batch, dtype)]
+        for system, heads in itertools.product(systems, kv_heads):
+            points = [(row["seqlen_k"], row[field]) for row in group
+                      if (row["system"], row["kv_heads"]) == (system, heads) and row[field]]
+            if points:  # a colour per system, a line style per H_kv
+                ax.plot(*zip(*points), ["o-", "s--", "^:", "d-."][kv_heads.index(heads) % 4],
+                        color=colors[systems.index(system) % len(colors)], label=f"{system}, H_kv={heads}")
+        seqlens = sorted({row["seqlen_k"] for row in group})
+        ax.set(xscale="log", xlabel="cache length N_k", ylabel=label, title=f"{dtype}, B={batch}", xticks=seqlens,
+               xticklabels=seqlens)
+        ax.minorticks_off()
+    axes[0][0].legend(fontsize=7)
+    fig.suptitle(f"{metadata['gpu']} | decoding, {metadata['shapes']} | {metadata['date'][:10]} "
+                 "(no point: OOM, unsupported or mismatch)")
+    figure = out_dir / "decode.png"
+    fig.savefig(figure, dpi=100, bbox_inches="tight")
+    plt.close(fig)
+    return [figure]
+
+
+def link(target, page):
+    """target as a markdown link from page: relative, with forward slashes."""
+    return Path(os.path.relpath(target, page.parent)).as_posix()
+
+
+def section_bounds(lines):
+    """(first, end) of the decoding section in a page's lines: its heading up to the next # or ## heading;
+    None where the page has none."""
+    if DECODE_TITLE not in lines:
+        return None
+    first = lines.index(DECODE_TITLE)
+    return first, next((i for i in range(first + 1, len(lines)) if lines[i].startswith(("# ", "## "))), len(lines))
+
+
+def replace_section(page, section):
+    """page with its decoding section replaced by section, or with section appended: nothing else changes."""
+    lines = page.splitlines()
+    first, end = section_bounds(lines) or (len(lines), len(lines))
+    parts = ("\n".join(lines[:first]).rstrip("\n"), section.strip("\n"), "\n".join(lines[end:]))
+    return "\n\n".join(part for part in parts if part) + "\n"
+
+
+def write_decode_section(path, metadata, rows, figures, results, render_command):
+    """The decoding section of the benchmark page (replaced, or appended): how it was measured, then the
+    figure and a table per dtype."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    relative = lambda p: Path(os.path.relpath(p, path.parent)).as_posix()  # noqa: E731
+    peak = peak_bandwidth(metadata["gpu"])
+    lines = [DECODE_TITLE, "",  # a sentence a line: they vary in length
+             f"One new token per sequence: q is (B, H_q, 1, d), K and V a cache of N_k keys in H_kv heads "
+             f"({metadata['shapes']}; H_kv < H_q is grouped-query attention), forward only.",
+             f"Measured on {metadata['gpu']} on {metadata['date'][:10]} (torch {metadata['torch']}, CUDA "
+             f"{metadata['cuda']}, {metadata['timer']}); `bench.py --decode` writes this section from "
+             f"[{link(results, path)}]({link(results, path)}): rerun it rather than edit it.",
+             "Bandwidth is the limit: decoding reads the cache once, at two FLOPs per element read, so GB/s counts "
+             "the bytes of K and V once plus q and o, and %HBM compares them with the GPU's peak memory bandwidth "
+             + (f"({peak} TB/s)." if peak else "(not in bench.py's table for this GPU)."),
+             "vs SDPA is the time of `sdpa` (its default backend choice) over the row's; above 1 is faster.",
+             "OOM: the cache and the float32 reference do not fit, or the system ran out of memory.",
+             "Max err is against float32 attention on the same inputs.", "",
+             "Measured with:", "", "```", metadata["command"], "```", ""]
+    if render_command != metadata["command"]:
+        lines += ["This section was written from the saved results with:", "", "```", render_command, "```", ""]
+    lines += [f"![decoding]({link(figure, path)})" for figure in figures] + [""]
+    for dtype in dict.fromkeys(row["dtype"] for row in rows):
+        lines += [f"### {dtype}", ""] + table_lines([row for row in rows if row["dtype"] == dtype],
+                                                    [column for column in DECODE_COLUMNS if column[0] != "dtype"])
+        lines += [""]
+    path.write_text(replace_section(path.read_text() if path.is_file() else "", "\n".join(lines)))
+
+
+def write_markdown(path, metadata, rows, figures, results, render_command):
+    """The benchmark page: metadata, then a figure and a table per group; a decoding section already on the page
+    stays (the decoding sweep writes it)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
     lines = ["# Benchmarks", "",
              f"Measured on {metadata['gpu']} on {metadata['date'][:10]}. `bench.py` writes this page and its figures",
-             f"from [{relative(results)}]({relative(results)}); rerun it rather than edit them. Speedup and memory",
+             f"from [{link(results, path)}]({link(results, path)}); rerun it rather than edit them. Speedup and memory",
              "saving are relative to manual attention (PyTorch, with the N x N matrix in memory), vs SDPA to the",
              "fastest of SDPA's backends (and its default choice), both on the same problem in the same run; above 1",
              "is better. An empty cell: that system did not run (see status). TFLOP/s counts 4·B·H·N²·d forward,",
@@ -309,9 +548,18 @@ def write_markdown(path, metadata, rows, figures, results, render_command):
     if render_command != metadata["command"]:
         lines += ["This page was written from the saved results with:", "", "```", render_command, "```", ""]
     for title, group in group_rows(rows).items():
-        lines += [f"## {title}", "", f"![{title}]({relative(figures[title])})", ""]
+        lines += [f"## {title}", "", f"![{title}]({link(figures[title], path)})", ""]
         lines += table_lines(group, [column for column in COLUMNS if column[0] not in GROUP_FIELDS]) + [""]
-    path.write_text("\n".join(lines))
+    old = path.read_text().splitlines() if path.is_file() else []
+    bounds = section_bounds(old)
+    path.write_text(replace_section("\n".join(lines), "\n".join(old[slice(*bounds)])) if bounds else "\n".join(lines))
+
+
+def problem_title(row):
+    """Which problem a row measured, in words."""
+    if "kv_heads" in row:  # a decoding row
+        return f"decoding, {row['dtype']}, B={row['batch']}, H_kv={row['kv_heads']}, N_k={row['seqlen_k']}"
+    return f"{group_title(row)}, N={row['seqlen']}, {row['layout']}"
 
 
 def cli(argv=None):
@@ -322,26 +570,32 @@ def cli(argv=None):
             raise SystemExit(f"bench.py: no results file {args.plot_from}")
         saved, out, results = json.loads(args.plot_from.read_text()), args.out or args.plot_from.parent, args.plot_from
         metadata, rows = saved["metadata"], saved["rows"]
-        print(*table_lines(rows), sep="\n")
+        decode = metadata.get("sweep") == "decode"  # the file says which sweep wrote it
+        print(*table_lines(rows, DECODE_COLUMNS if decode else COLUMNS), sep="\n")
     elif not torch.cuda.is_available():
         print("bench.py: no CUDA GPU found; the benchmark needs one "
               "(--plot-from FILE redraws saved results without a GPU)", file=sys.stderr)
         return 1
     else:
-        metadata, rows = run_sweep(args, command)
+        decode = args.decode
+        metadata, rows = run_decode(args, command) if decode else run_sweep(args, command)
         out = args.out or Path("bench_results")
         out.mkdir(parents=True, exist_ok=True)
-        results = out / "results.json"
+        results = out / ("decode.json" if decode else "results.json")
         results.write_text(json.dumps({"metadata": metadata, "rows": rows}, indent=1) + "\n")
-    figures = write_figures(out, metadata, rows)
-    if args.markdown:
-        write_markdown(args.markdown, metadata, rows, figures, results, command)
+    if decode:
+        figures = write_decode_figure(out, metadata, rows)
+        if args.markdown:
+            write_decode_section(args.markdown, metadata, rows, figures, results, command)
+    else:
+        figures = write_figures(out, metadata, rows)
+        if args.markdown:
+            write_markdown(args.markdown, metadata, rows, figures, results, command)
     print(f"wrote {len(figures)} figures to {out}" + (f" and {args.markdown}" if args.markdown else ""))
     print("rows: " + ", ".join(f"{n} {status}" for status, n in Counter(row["status"] for row in rows).items()))
     problems = [row for row in rows if row["status"] in ("MISMATCH", "ERROR")]
     for row in problems:
-        print(f"!! {row['status']}: {row['system']}, {group_title(row)}, N={row['seqlen']}, {row['layout']}: "
-              f"{row['note']}")
+        print(f"!! {row['status']}: {row['system']}, {problem_title(row)}: {row['note']}")
     return 2 if problems else 0
 
 

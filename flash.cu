@@ -60,21 +60,26 @@ struct KernelSpec {
   int head_dims[6];      // the values of d it is compiled for (0 ends the list)
   int min_arch;          // the oldest GPU it runs on, 10 * major + minor
   bool sm90a;            // uses sm_90a's own instructions (wgmma, setmaxnreg): runs on sm_90 alone
+  bool split_kv;         // decodes (N_q <= SPLIT_KV_MAX_QUERIES) with flash_decode, split over the keys
   const char* backward;  // the kernel that computes its gradients, on inputs upcast to its dtype if need be
   const char* about;
 };
 [[maybe_unused]] constexpr KernelSpec KERNELS[] = {  // ([[maybe_unused]]: NVRTC compiles kernels alone)
-    {"fp32", "float32", {16, 32, 64, 96, 128}, 70, false, "fp32",
+    {"fp32", "float32", {16, 32, 64, 96, 128}, 70, false, false, "fp32",
      "FlashAttention-2 on CUDA cores, fp32"},
-    {"volta", "float16", {64, 128}, 70, false, "fp32",
+    {"volta", "float16", {64, 128}, 70, false, false, "fp32",
      "Volta tensor cores: mma.m8n8k4 in four quad pairs, P_ij through shared memory"},
-    {"turing", "float16", {64, 128}, 75, false, "fp32",
+    {"turing", "float16", {64, 128}, 75, false, false, "fp32",
      "Turing tensor cores: mma.m16n8k8, ldmatrix, synchronous loads, 64 KB of shared memory"},
-    {"ampere", "float16 bfloat16", {64, 128}, 80, false, "ampere",
+    {"ampere", "float16 bfloat16", {64, 128}, 80, false, true, "ampere",
      "FlashAttention-2 on tensor cores: mma.m16n8k16, ldmatrix, cp.async"},
-    {"hopper", "float16 bfloat16", {64, 128}, 90, true, "hopper",
+    {"hopper", "float16 bfloat16", {64, 128}, 90, true, true, "hopper",
      "Hopper: TMA, wgmma, producer and consumer warpgroups (sm_90a)"},
 };
+
+// Decoding: at most this many queries per head go to flash_decode (kernels with split_kv), whose tiles hold
+// 16 rows of queries of one key/value head.
+constexpr int SPLIT_KV_MAX_QUERIES = 16;
 
 constexpr float LOG2E = 1.4426950408889634f;  // log2(e): exp(x) = exp2(x * LOG2E)
 constexpr float LN2 = 0.6931471805599453f;     // ln(2):   log(x) = log2(x) * LN2
@@ -85,21 +90,23 @@ __device__ float to_float(__nv_bfloat16 x) { return __bfloat162float(x); }
 
 // One (B, H, N, d) tensor as the kernels see it: rows of d contiguous elements, and batch, head and row
 // strides (in elements) that can be anything, so that a transposed view (B, N, H, d).transpose(1, 2) or a
-// slice of a packed qkv tensor is read in place. The grid is (blocks, H, B): head() moves ptr to head
-// (blockIdx.z, blockIdx.y), after which row r of that head's (N, d) matrix starts at ptr + r * row.
-// This block's head among the B * H, for the tensors the kernels allocate themselves (L, D (B, H, N) and dQ
-// (B, H, N, d)), which are contiguous.
-__device__ size_t head_index() { return (size_t)blockIdx.z * gridDim.y + blockIdx.y; }
-
+// slice of a packed qkv tensor is read in place. The grid is (blocks, H_q, B): head() moves ptr to query
+// head h = blockIdx.y of batch blockIdx.z, after which row r of that head's (N, d) matrix starts at
+// ptr + r * stride_n. K and V have H_kv = H_q / group heads (grouped-query attention, the paper's section
+// 3.1; multi-query when H_kv = 1): query head h reads key/value head h / group, which head(group) gives:
+// the heads of a group share one K and V by index arithmetic, with no copies.
 template <typename T>
 struct Rows {
   T* ptr;
   int64_t stride_b, stride_h, stride_n;  // in elements
-  __device__ Rows head() const {
-    return {ptr + blockIdx.z * stride_b + blockIdx.y * stride_h, stride_b, stride_h, stride_n};
+  __device__ Rows head(int group = 1) const {
+    return {ptr + blockIdx.z * stride_b + blockIdx.y / group * stride_h, stride_b, stride_h, stride_n};
   }
   __device__ T* at(int r) const { return ptr + (int64_t)r * stride_n; }
 };
+// This block's query head among the B * H_q, for the tensors the kernels allocate themselves (L, D
+// (B, H_q, N_q) and dQ (B, H_q, N_q, d)), which are contiguous.
+__device__ size_t head_index() { return (size_t)blockIdx.z * gridDim.y + blockIdx.y; }
 
 // Copies a (rows, d) tile of X, starting at row row0, into shared memory with row stride ld, filling rows
 // at or past N with zeros, so ragged last blocks compute on zeros instead of reading out of bounds.
@@ -115,14 +122,43 @@ __device__ void load_tile(T* dst, int ld, Rows<const T> X, int row0, int N) {
   }
 }
 
-// The mask, applied to S_ij before the softmax: whether query r may not see key c. Keys at or past N are
-// padding of a ragged last block; with causal, a query sees only the keys up to itself. Kernels skip the
-// test on blocks that no query of the block masks. Bitwise | and &, not || and &&: no short-circuit, so
-// no branches in the unrolled loops that call it (branches there slowed the hopper forward measurably).
-__device__ bool is_masked(int r, int c, int N, bool causal) { return (c >= N) | (causal & (c > r)); }
+// Which keys each query sees: N_q queries, N_k keys (cross-attention, or new queries against a KV cache, when
+// they differ). Keys at or past N_k are padding of a ragged last block. Causal masking is aligned to the
+// bottom right, as in FlashAttention >= 2.1: query r sees keys c <= r + N_k - N_q, so that the last query
+// sees every key (one decoding query sees the whole cache); with N_q > N_k the first N_q - N_k queries see
+// none, and get O = 0 and L = -inf.
+struct Mask {
+  int N_q, N_k;
+  bool causal;
+  // whether query r may not see key c. Bitwise | and &, not || and &&: no short-circuit, so no branches in
+  // the unrolled loops that call it (branches there slowed the hopper forward measurably).
+  __device__ bool hides(int r, int c) const { return (c >= N_k) | (causal & (c > last_key(r))); }
+  __device__ int last_key(int r) const { return r + N_k - N_q; }  // the last key query r sees, with causal
+  // whether the block of queries row0 .. row0+rows-1 and keys col0 .. col0+cols-1 may hide anything: kernels
+  // skip the test on the blocks where it cannot
+  __device__ bool any(int row0, int rows, int col0, int cols) const {
+    return (col0 + cols > N_k) | (causal & (col0 + cols - 1 > last_key(row0)));
+  }
+  // The key blocks of B_c that queries row0 .. row0+rows-1 need: all T_c, or with causal those up to the last
+  // key their last row sees. At least one, so that every loop runs (rows that see no key end with l_i = 0).
+  __device__ int key_blocks(int row0, int rows, int B_c) const {
+    const int T_c = (N_k + B_c - 1) / B_c;
+    return causal ? max(1, min(T_c, last_key(row0 + rows - 1) / B_c + 1)) : T_c;
+  }
+  // The first query block of B_r that sees a key of the block starting at col0 (causal: those above see none).
+  __device__ int first_query_block(int col0, int B_r) const { return causal ? max(0, col0 - N_k + N_q) / B_r : 0; }
+};
+
+// m_i's start: the lowest finite float, where the paper has -inf. A row that sees no key of a block then gets
+// P_ij = exp2(-inf - m_i) = 0 and l_i stays 0, where -inf - (-inf) would make them NaN; once a row sees a
+// key, alpha = exp2(M_START - m_i) = 0 erases the start as -inf would.
+constexpr float M_START = -3.402823466e38f;
 
 // l.13: L_i = m_i + log(l_i), from m_i in base-2 units (see Notation): the natural-log value written to L.
+// A row that saw no key has l_i = 0: L_i = -inf.
 __device__ float log_sum_exp(float m_i, float l_i) { return (m_i + log2f(l_i)) * LN2; }
+// l.12: 1 / l_i, the factor of O_i; 0 for a row that saw no key, whose O_i is then 0 (0 / 0 would be NaN).
+__device__ float inverse(float l_i) { return l_i > 0.f ? 1.f / l_i : 0.f; }
 
 // Alg.2 l.4: D_i = rowsum(dO_i o O_i), before the backward kernel. Grid (N/8, H, B); one warp per row.
 template <typename T>
@@ -186,14 +222,14 @@ __device__ void load_cols(float (&x)[d / 16], const float* row, int tx) {
 
 // ------------------------------------------------------------------------------------------------------
 // fp32 forward: FlashAttention-2, Algorithm 1.
-// Grid (T_r, H, B): one block per query block Q_i of one head; heavy causal blocks (large i) start first.
+// Grid (T_r, H_q, B): one block per query block Q_i of one head; heavy causal blocks (large i) start first.
 // Block: 128 threads as 8 (ty) x 16 (tx). Thread (ty, tx) owns rows ty*TM .. ty*TM+TM-1 of S_ij and O_i,
 // columns tx + 16*n of S_ij (n < TN) and columns col(tx, e) of O_i (e < TX). The 16 threads that share a
 // row sit in one half-warp, so row max and row sum are shuffles, never shared memory.
 template <int d, int B_r, int B_c>
 __global__ void __launch_bounds__(128)
 flash_fwd_fp32(Rows<const float> Q, Rows<const float> K, Rows<const float> V, Rows<float> O, float* __restrict__ L,
-               int N, float scale_log2, bool causal) {
+               Mask mask, int group, float scale_log2) {
   constexpr int TM = B_r / 8, TN = B_c / 16, TX = d / 16, ld = d + 4, ldP = B_r + 4;
   extern __shared__ float smem[];
   constexpr int KP = B_c * (ld > ldP ? ld : ldP);
@@ -203,20 +239,19 @@ flash_fwd_fp32(Rows<const float> Q, Rows<const float> K, Rows<const float> V, Ro
                                   //              so a block needs less shared memory and 4 fit on an SM
   float* V_s = K_s + KP;          // V_j          (B_c, d)   row stride d
   const int tx = threadIdx.x % 16, ty = threadIdx.x / 16;
-  const int i = gridDim.x - 1 - blockIdx.x, row0 = i * B_r;
-  Q = Q.head(), K = K.head(), V = V.head(), O = O.head();
-  L += head_index() * N;
+  const int i = gridDim.x - 1 - blockIdx.x, row0 = i * B_r, N_q = mask.N_q, N_k = mask.N_k;
+  Q = Q.head(), K = K.head(group), V = V.head(group), O = O.head();
+  L += head_index() * N_q;
 
-  load_tile<B_r, d, 128>(Q_s, ld, Q, row0, N);                             // l.4: load Q_i
+  load_tile<B_r, d, 128>(Q_s, ld, Q, row0, N_q);                           // l.4: load Q_i
   float O_i[TM][TX] = {}, m_i[TM], l_i[TM] = {};                           // l.5: O_i = 0, l_i = 0, m_i = -inf
-  for (int m = 0; m < TM; m++) m_i[m] = -INFINITY;
+  for (int m = 0; m < TM; m++) m_i[m] = M_START;
 
-  const int T_c = (N + B_c - 1) / B_c;
-  const int j_end = causal ? min(T_c, (row0 + B_r - 1) / B_c + 1) : T_c;  // causal: later blocks all masked
+  const int j_end = mask.key_blocks(row0, B_r, B_c);                       // causal: later blocks all masked
   for (int j = 0; j < j_end; j++) {                                        // l.6: for 1 <= j <= T_c
     __syncthreads();  // every thread is done reading P_s (= K_s) and V_s of block j-1: they are overwritten
-    load_tile<B_c, d, 128>(K_s, ld, K, j * B_c, N);                        // l.7: load K_j, V_j
-    load_tile<B_c, d, 128>(V_s, d, V, j * B_c, N);
+    load_tile<B_c, d, 128>(K_s, ld, K, j * B_c, N_k);                      // l.7: load K_j, V_j
+    load_tile<B_c, d, 128>(V_s, d, V, j * B_c, N_k);
     __syncthreads();  // K_j, V_j (and Q_i on the first pass) are in shared memory before anyone reads them
 
     float S_ij[TM][TN] = {};                                               // l.8: S_ij = Q_i K_j^T
@@ -228,11 +263,10 @@ flash_fwd_fp32(Rows<const float> Q, Rows<const float> K, Rows<const float> V, Ro
       float rowmax = m_i[m];
       for (int n = 0; n < TN; n++) {
         const int c = j * B_c + tx + 16 * n;
-        S_ij[m][n] = is_masked(r, c, N, causal) ? -INFINITY : S_ij[m][n] * scale_log2;
+        S_ij[m][n] = mask.hides(r, c) ? -INFINITY : S_ij[m][n] * scale_log2;
         rowmax = fmaxf(rowmax, S_ij[m][n]);
       }
       for (int off = 8; off > 0; off /= 2) rowmax = fmaxf(rowmax, __shfl_xor_sync(~0u, rowmax, off));
-      // m_i^(j) = max(m_i^(j-1), rowmax(S_ij)) is finite: key 0 is never masked and j = 0 comes first.
       const float alpha = exp2f(m_i[m] - rowmax);                          // e^(m^(j-1) - m^(j))
       float rowsum = 0.f;
       for (int n = 0; n < TN; n++) {
@@ -263,16 +297,17 @@ flash_fwd_fp32(Rows<const float> Q, Rows<const float> K, Rows<const float> V, Ro
   for (int m = 0; m < TM; m++) {
     const int r = row0 + ty * TM + m;
     for (int off = 8; off > 0; off /= 2) l_i[m] += __shfl_xor_sync(~0u, l_i[m], off);
-    if (r >= N) continue;
-    for (int e = 0; e < TX; e++) O.at(r)[col<d>(tx, e)] = O_i[m][e] / l_i[m];  // l.12, l.14: O_i / l_i
+    if (r >= N_q) continue;
+    for (int e = 0; e < TX; e++) O.at(r)[col<d>(tx, e)] = O_i[m][e] * inverse(l_i[m]);  // l.12, l.14: O_i / l_i
     if (tx == 0) L[r] = log_sum_exp(m_i[m], l_i[m]);                       // l.13, l.15: L_i
   }
 }
 
 // ------------------------------------------------------------------------------------------------------
 // fp32 backward: FlashAttention-2, Algorithm 2.
-// Grid (T_c, H, B): one block per key block K_j, V_j of one head; it loops over the query blocks Q_i.
-// Block: 128 threads as 8 (ty) x 16 (tx). Thread (ty, tx) owns
+// Grid (T_c, H_q, B): one block per key block K_j, V_j of one query head; it loops over the query blocks Q_i.
+// With grouped-query attention each query head writes its own dK_j, dV_j, and the host sums them over the
+// heads of a group. Block: 128 threads as 8 (ty) x 16 (tx). Thread (ty, tx) owns
 //   S_ij, dP_ij (B_r, B_c): rows ty*TM + m, columns tx + 16*n        (as in the forward)
 //   dK_j, dV_j  (B_c, d):   rows ty*TC + c, columns col(tx, e)       (kept in registers across all i)
 //   dQ_i        (B_r, d):   rows ty*TM + m, columns col(tx, e)
@@ -284,7 +319,7 @@ template <int d, int B_r, int B_c>
 __global__ void __launch_bounds__(128)
 flash_bwd_fp32(Rows<const float> Q, Rows<const float> K, Rows<const float> V, Rows<const float> dO,
                const float* __restrict__ L, const float* __restrict__ D, float* __restrict__ dQ,
-               Rows<float> dK, Rows<float> dV, int N, float scale, bool causal) {
+               Rows<float> dK, Rows<float> dV, Mask mask, int group, float scale) {
   constexpr int TM = B_r / 8, TN = B_c / 16, TC = B_c / 8, TX = d / 16, ld = d + 4, ldS = B_c + 4;
   extern __shared__ float smem[];
   float* K_s = smem;              // K_j    (B_c, d)   row stride ld
@@ -294,26 +329,26 @@ flash_bwd_fp32(Rows<const float> Q, Rows<const float> K, Rows<const float> V, Ro
   float* P_s = dO_s + B_r * ld;   // P_ij   (B_r, B_c) row stride ldS
   float* dS_s = P_s + B_r * ldS;  // dS_ij  (B_r, B_c) row stride ldS
   const int tx = threadIdx.x % 16, ty = threadIdx.x / 16;
-  const int j = blockIdx.x, col0 = j * B_c;
-  Q = Q.head(), K = K.head(), V = V.head(), dO = dO.head(), dK = dK.head(), dV = dV.head();
-  L += head_index() * N, D += head_index() * N, dQ += head_index() * N * d;
+  const int j = blockIdx.x, col0 = j * B_c, N_q = mask.N_q, N_k = mask.N_k;
+  Q = Q.head(), K = K.head(group), V = V.head(group), dO = dO.head(), dK = dK.head(), dV = dV.head();
+  L += head_index() * N_q, D += head_index() * N_q, dQ += head_index() * N_q * d;
   const float scale_log2 = scale * LOG2E;
 
-  load_tile<B_c, d, 128>(K_s, ld, K, col0, N);                             // l.6: load K_j, V_j
-  load_tile<B_c, d, 128>(V_s, ld, V, col0, N);
+  load_tile<B_c, d, 128>(K_s, ld, K, col0, N_k);                           // l.6: load K_j, V_j
+  load_tile<B_c, d, 128>(V_s, ld, V, col0, N_k);
   float dK_j[TC][TX] = {}, dV_j[TC][TX] = {};                              // l.7: dK_j = dV_j = 0
 
-  const int T_r = (N + B_r - 1) / B_r;
-  for (int i = causal ? col0 / B_r : 0; i < T_r; i++) {                    // l.8 (causal: skip blocks above)
+  const int T_r = (N_q + B_r - 1) / B_r;
+  for (int i = mask.first_query_block(col0, B_r); i < T_r; i++) {         // l.8 (causal: skip blocks above)
     const int row0 = i * B_r;
     __syncthreads();  // every thread is done reading Q_s, dO_s, P_s, dS_s of block i-1
-    load_tile<B_r, d, 128>(Q_s, ld, Q, row0, N);                           // l.9: load Q_i, dO_i, L_i, D_i
-    load_tile<B_r, d, 128>(dO_s, ld, dO, row0, N);
+    load_tile<B_r, d, 128>(Q_s, ld, Q, row0, N_q);                         // l.9: load Q_i, dO_i, L_i, D_i
+    load_tile<B_r, d, 128>(dO_s, ld, dO, row0, N_q);
     float L_i[TM], D_i[TM];
     for (int m = 0; m < TM; m++) {
       const int r = row0 + ty * TM + m;
-      L_i[m] = r < N ? L[r] * LOG2E : 0.f;
-      D_i[m] = r < N ? D[r] : 0.f;
+      L_i[m] = r < N_q ? L[r] * LOG2E : 0.f;
+      D_i[m] = r < N_q ? D[r] : 0.f;
     }
     __syncthreads();  // Q_i, dO_i (and K_j, V_j on the first pass) are in shared memory
 
@@ -323,7 +358,7 @@ flash_bwd_fp32(Rows<const float> Q, Rows<const float> K, Rows<const float> V, Ro
     for (int m = 0; m < TM; m++)
       for (int n = 0; n < TN; n++) {
         const int r = row0 + ty * TM + m, c = col0 + tx + 16 * n;
-        const bool seen = (r < N) & !is_masked(r, c, N, causal);
+        const bool seen = (r < N_q) & !mask.hides(r, c);
         const float P = seen ? exp2f(S_ij[m][n] * scale_log2 - L_i[m]) : 0.f;  // l.11: P_ij = exp(S_ij - L_i)
         P_s[(ty * TM + m) * ldS + tx + 16 * n] = P;
         dS_s[(ty * TM + m) * ldS + tx + 16 * n] = P * (dP_ij[m][n] - D_i[m]);  // l.14: dS_ij = P o (dP - D_i)
@@ -357,13 +392,13 @@ flash_bwd_fp32(Rows<const float> Q, Rows<const float> K, Rows<const float> V, Ro
     }
     for (int m = 0; m < TM; m++) {
       const int r = row0 + ty * TM + m;
-      if (r < N)
+      if (r < N_q)
         for (int e = 0; e < TX; e++) atomicAdd(&dQ[(size_t)r * d + col<d>(tx, e)], scale * dQ_i[m][e]);
     }
   }
   for (int c = 0; c < TC; c++) {                                           // l.18: write dK_j, dV_j
     const int k = col0 + ty * TC + c;
-    if (k >= N) continue;
+    if (k >= N_k) continue;
     for (int e = 0; e < TX; e++) {
       dK.at(k)[col<d>(tx, e)] = scale * dK_j[c][e];
       dV.at(k)[col<d>(tx, e)] = dV_j[c][e];
@@ -458,19 +493,24 @@ __device__ inline float exp2_ftz(float x) {
 
 // The steps of the online softmax (l.9 and l.10) on S_ij in the m16n8 accumulator layout, shared by the
 // Turing, Ampere and Hopper forward kernels. A lane holds rows g and g+8 (h = e / 2) and columns 2t, 2t+1
-// (e % 2) of every 16 x 8 tile of the warp's 16 rows; r is this lane's row g as a row of Q.
+// (e % 2) of every 16 x 8 tile of the warp's 16 rows; r[h] are those rows as queries (r and r + 8, but for
+// the decoding kernel, whose rows are several heads' queries).
 
 // S_ij (16, B_c) scaled to base-2 units, and set to -inf where the mask hides a key (c0: the key of tile 0,
 // column 2t); `masked` says whether any entry of the block may be (else the test is skipped).
 template <int B_c>
-__device__ void mask_and_scale(float (&S)[B_c / 8][4], int r, int c0, int N, bool masked, bool causal,
+__device__ void mask_and_scale(float (&S)[B_c / 8][4], const int (&r)[2], int c0, Mask mask, bool masked,
                                float scale_log2) {
   for (int nt = 0; nt < B_c / 8; nt++)
     for (int e = 0; e < 4; e++) S[nt][e] *= scale_log2;
-  if (masked)
+  if (masked) {  // (mask.hides, with each row's last key computed once: 180 bytes less spilled by ampere)
+    const int last[2] = {mask.last_key(r[0]), mask.last_key(r[1])};
     for (int nt = 0; nt < B_c / 8; nt++)
-      for (int e = 0; e < 4; e++)
-        if (is_masked(r + 8 * (e / 2), c0 + 8 * nt + e % 2, N, causal)) S[nt][e] = -INFINITY;
+      for (int e = 0; e < 4; e++) {
+        const int c = c0 + 8 * nt + e % 2;
+        if ((c >= mask.N_k) | (mask.causal & (c > last[e / 2]))) S[nt][e] = -INFINITY;
+      }
+  }
 }
 
 // l.9, first half: m_i^(j) = max(m_i^(j-1), rowmax(S_ij)), and l_i times alpha = e^(m_i^(j-1) - m_i^(j))
@@ -484,7 +524,7 @@ __device__ void update_row_max(const float (&S)[B_c / 8][4], float (&m_i)[2], fl
   for (int h = 0; h < 2; h++) {  // the 4 lanes of a quad (same g) hold one row: reduce across them
     rowmax[h] = fmaxf(rowmax[h], __shfl_xor_sync(~0u, rowmax[h], 1));
     rowmax[h] = fmaxf(rowmax[h], __shfl_xor_sync(~0u, rowmax[h], 2));
-    alpha[h] = exp2_ftz(m_i[h] - rowmax[h]);  // m^(j) is finite: every row sees key 0 in block 0
+    alpha[h] = exp2_ftz(m_i[h] - rowmax[h]);  // (both finite: see M_START)
     m_i[h] = rowmax[h];
     l_i[h] *= alpha[h];
   }
@@ -516,9 +556,9 @@ __device__ void write_O_L(const float (&O_i)[d / 8][4], const float (&m_i)[2], f
     l_i[h] += __shfl_xor_sync(~0u, l_i[h], 1);  // the row's sum over the 4 lanes of its quad
     l_i[h] += __shfl_xor_sync(~0u, l_i[h], 2);
     if (r + 8 * h >= N) continue;
+    const float f = inverse(l_i[h]);
     for (int nt = 0; nt < d / 8; nt++)
-      *reinterpret_cast<uint32_t*>(O.at(r + 8 * h) + 8 * nt + 2 * t) =
-          pack<T>(O_i[nt][2 * h] / l_i[h], O_i[nt][2 * h + 1] / l_i[h]);
+      *reinterpret_cast<uint32_t*>(O.at(r + 8 * h) + 8 * nt + 2 * t) = pack<T>(f * O_i[nt][2 * h], f * O_i[nt][2 * h + 1]);
     if (t == 0) L[r + 8 * h] = log_sum_exp(m_i[h], l_i[h]);
   }
 }
@@ -567,7 +607,7 @@ __device__ void mma_m8n8k4_row_row(float (&c)[8], uint2 a, uint2 b) {
 }
 
 // fp16 forward on Volta tensor cores (sm_70+): FlashAttention-2, Algorithm 1.
-// Grid (T_r, H, B); NW warps, B_r = 16*NW, B_c = 64; warp w owns rows 16w .. 16w+15 of Q_i, S_ij and O_i.
+// Grid (T_r, H_q, B); NW warps, B_r = 16*NW, B_c = 64; warp w owns rows 16w .. 16w+15 of Q_i, S_ij and O_i.
 // In every mma the four quad pairs tile a 16 x 16 piece of the result: quad pair q = rh + 2ch takes its
 // rows 8rh .. 8rh+7 and columns 8ch .. 8ch+7. Per warp and block j (c: a 16-wide piece):
 //   S_ij (16, B_c)  = Q_i (16, d) K_j^T (d, B_c)    d/4 x B_c/16 mma, S[c][8]
@@ -577,7 +617,7 @@ __device__ void mma_m8n8k4_row_row(float (&c)[8], uint2 a, uint2 b) {
 template <int d, int NW>
 __global__ void __launch_bounds__(NW * 32)
 flash_fwd_volta(Rows<const __half> Q, Rows<const __half> K, Rows<const __half> V, Rows<__half> O,
-                float* __restrict__ L, int N, float scale_log2, bool causal) {
+                float* __restrict__ L, Mask mask, int group, float scale_log2) {
   constexpr int B_r = 16 * NW, B_c = 64, ld = d + 8, ldP = B_c + 4;
   extern __shared__ __align__(16) unsigned char smem_raw[];
   __half* K_s = reinterpret_cast<__half*>(smem_raw);  // K_j  (B_c, d)  row stride ld
@@ -588,21 +628,21 @@ flash_fwd_volta(Rows<const __half> Q, Rows<const __half> K, Rows<const __half> V
   __half* P_s = V_s + B_c * ld + warp * 16 * ldP;
   const int p = lane % 4, rh = lane / 4 % 2, ch = lane / 8 % 2, hi = lane / 16;
   const int i = gridDim.x - 1 - blockIdx.x, row0 = i * B_r + 16 * warp;  // row0: this warp's first row
-  Q = Q.head(), K = K.head(), V = V.head(), O = O.head();
-  L += head_index() * N;
-  const int T_c = (N + B_c - 1) / B_c;
-  const int j_end = causal ? min(T_c, (i * B_r + B_r - 1) / B_c + 1) : T_c;
+  const int N_q = mask.N_q, N_k = mask.N_k;
+  Q = Q.head(), K = K.head(group), V = V.head(group), O = O.head();
+  L += head_index() * N_q;
+  const int j_end = mask.key_blocks(i * B_r, B_r, B_c);
 
   uint2 Q_frag[d / 4];  // l.4: A fragments of Q_i for k = 4kk .. 4kk+3: this lane's row, read from global
   const int q_row = row0 + 8 * rh + 4 * hi + p;
   for (int kk = 0; kk < d / 4; kk++)
-    Q_frag[kk] = q_row < N ? *reinterpret_cast<const uint2*>(Q.at(q_row) + 4 * kk) : make_uint2(0, 0);
+    Q_frag[kk] = q_row < N_q ? *reinterpret_cast<const uint2*>(Q.at(q_row) + 4 * kk) : make_uint2(0, 0);
 
   const int r = row0 + 8 * rh + 4 * hi + lane % 2;  // this lane's rows of S_ij and O_i: r and r + 2
-  float O_i[d / 16][8] = {}, m_i[2] = {-INFINITY, -INFINITY}, l_i[2] = {0.f, 0.f};  // l.5
+  float O_i[d / 16][8] = {}, m_i[2] = {M_START, M_START}, l_i[2] = {0.f, 0.f};  // l.5
   for (int j = 0; j < j_end; j++) {                                         // l.6
-    load_tile<B_c, d, NW * 32>(K_s, ld, K, j * B_c, N);                      // l.7
-    load_tile<B_c, d, NW * 32>(V_s, ld, V, j * B_c, N);
+    load_tile<B_c, d, NW * 32>(K_s, ld, K, j * B_c, N_k);                    // l.7
+    load_tile<B_c, d, NW * 32>(V_s, ld, V, j * B_c, N_k);
     __syncthreads();  // K_j and V_j are complete for every warp
 
     float S[B_c / 16][8] = {};                                              // l.8: S_ij = Q_i K_j^T
@@ -612,19 +652,19 @@ flash_fwd_volta(Rows<const __half> Q, Rows<const __half> K, Rows<const __half> V
         mma_m8n8k4_row_col(S[c], Q_frag[kk], b);
       }
 
-    const bool masked = causal ? (j + 1) * B_c > i * B_r : (j + 1) * B_c > N;  // any masked entry in block?
+    const bool masked = mask.any(i * B_r, B_r, j * B_c, B_c);  // any masked entry in the block?
     float rowmax[2] = {m_i[0], m_i[1]};                                     // l.9: online softmax
     for (int c = 0; c < B_c / 16; c++)
       for (int e = 0; e < 8; e++) {
         const int key = j * B_c + 16 * c + 8 * ch + (e & 4) + (lane & 2) + (e & 1), h = e / 2 % 2;
-        S[c][e] = masked && is_masked(r + 2 * h, key, N, causal) ? -INFINITY : S[c][e] * scale_log2;
+        S[c][e] = masked && mask.hides(r + 2 * h, key) ? -INFINITY : S[c][e] * scale_log2;
         rowmax[h] = fmaxf(rowmax[h], S[c][e]);
       }
     float alpha[2];
     for (int h = 0; h < 2; h++) {  // a row is spread over lanes lane ^ 2 (columns) and lane ^ 8 (quad pairs)
       rowmax[h] = fmaxf(rowmax[h], __shfl_xor_sync(~0u, rowmax[h], 2));
       rowmax[h] = fmaxf(rowmax[h], __shfl_xor_sync(~0u, rowmax[h], 8));
-      alpha[h] = exp2f(m_i[h] - rowmax[h]);  // e^(m^(j-1) - m^(j)); m^(j) is finite as key 0 comes first
+      alpha[h] = exp2f(m_i[h] - rowmax[h]);  // e^(m^(j-1) - m^(j)); both finite (see M_START)
       m_i[h] = rowmax[h];
       l_i[h] *= alpha[h];
     }
@@ -652,11 +692,12 @@ flash_fwd_volta(Rows<const __half> Q, Rows<const __half> K, Rows<const __half> V
   for (int h = 0; h < 2; h++) {
     l_i[h] += __shfl_xor_sync(~0u, l_i[h], 2);
     l_i[h] += __shfl_xor_sync(~0u, l_i[h], 8);
-    if (r + 2 * h >= N) continue;
+    if (r + 2 * h >= N_q) continue;
+    const float f = inverse(l_i[h]);
     for (int c = 0; c < d / 16; c++)                                        // l.12, l.14: O_i / l_i
       for (int e = 2 * h; e < 8; e += 4)
         *reinterpret_cast<__half2*>(O.at(r + 2 * h) + 16 * c + 8 * ch + (e & 4) + (lane & 2)) =
-            __floats2half2_rn(O_i[c][e] / l_i[h], O_i[c][e + 1] / l_i[h]);
+            __floats2half2_rn(f * O_i[c][e], f * O_i[c][e + 1]);
     if ((lane & 2) == 0 && ch == 0) L[r + 2 * h] = log_sum_exp(m_i[h], l_i[h]);  // l.13, l.15: L_i, by one of 4 lanes
   }
 }
@@ -686,14 +727,14 @@ __device__ void mma_m16n8k8_x2(float (&d)[4], const uint32_t (&a)[4], uint32_t b
 // mma.m16n8k8 (two per 16-wide k slice), ldmatrix, and loads that pass through registers and block until
 // they land (no cp.async, so no double buffering). An SM has 64 KB of shared memory: Q_i goes to
 // registers through the K_j, V_j buffers, and d = 128 uses B_c = 32, so that 3 blocks fit on an SM.
-// Grid (T_r, H, B); NW warps, B_r = 16*NW; warp w owns rows 16w .. 16w+15 of Q_i, S_ij and O_i outright
+// Grid (T_r, H_q, B); NW warps, B_r = 16*NW; warp w owns rows 16w .. 16w+15 of Q_i, S_ij and O_i outright
 // (no reduction across warps). Per warp and block j (nt: 8-column tile, kk: 16-wide k slice):
 //   S_ij (16, B_c)  = Q_i (16, d) K_j^T (d, B_c)    d/16 x B_c/8 x 2 mma, S[nt][4]
 //   O_i  (16, d)   += P_ij (16, B_c) V_j (B_c, d)   B_c/16 x d/8 x 2 mma, O_i[nt][4]
 template <int d, int NW, int B_c>
 __global__ void __launch_bounds__(NW * 32)
 flash_fwd_turing(Rows<const __half> Q, Rows<const __half> K, Rows<const __half> V, Rows<__half> O,
-                 float* __restrict__ L, int N, float scale_log2, bool causal) {
+                 float* __restrict__ L, Mask mask, int group, float scale_log2) {
   // Rows padded to d + 8 halves: the extra 16 bytes shift consecutive rows by 4 banks, so the 8 rows an
   // ldmatrix reads fall in 8 different 16-byte bank groups (a stride of d would put all 8 in one).
   constexpr int B_r = 16 * NW, ld = d + 8;
@@ -702,23 +743,23 @@ flash_fwd_turing(Rows<const __half> Q, Rows<const __half> K, Rows<const __half> 
   __half* K_s = reinterpret_cast<__half*>(smem_raw);  // K_j  (B_c, d)  row stride ld  (at first: Q_i)
   __half* V_s = K_s + B_c * ld;                       // V_j  (B_c, d)  row stride ld
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
-  const int i = gridDim.x - 1 - blockIdx.x, row0 = i * B_r;
-  Q = Q.head(), K = K.head(), V = V.head(), O = O.head();
-  L += head_index() * N;
-  const int T_c = (N + B_c - 1) / B_c;
-  const int j_end = causal ? min(T_c, (row0 + B_r - 1) / B_c + 1) : T_c;
+  const int i = gridDim.x - 1 - blockIdx.x, row0 = i * B_r, N_q = mask.N_q, N_k = mask.N_k;
+  Q = Q.head(), K = K.head(group), V = V.head(group), O = O.head();
+  L += head_index() * N_q;
+  const int j_end = mask.key_blocks(row0, B_r, B_c);
 
-  load_tile<B_r, d, NW * 32>(K_s, ld, Q, row0, N);                         // l.4: load Q_i
+  load_tile<B_r, d, NW * 32>(K_s, ld, Q, row0, N_q);                       // l.4: load Q_i
   __syncthreads();  // Q_i is complete
   uint32_t Q_frag[d / 16][4];  // A fragments of this warp's 16 rows of Q_i, one per 16-wide k slice
   for (int kk = 0; kk < d / 16; kk++)  // lane l points at row l % 16, column 16*kk + 8*(l / 16)
     ldmatrix_x4(Q_frag[kk], &K_s[(16 * warp + lane % 16) * ld + 16 * kk + 8 * (lane / 16)]);
 
-  float O_i[d / 8][4] = {}, m_i[2] = {-INFINITY, -INFINITY}, l_i[2] = {0.f, 0.f};  // l.5
+  const int r = row0 + 16 * warp + g;  // this lane's rows: r and r + 8
+  float O_i[d / 8][4] = {}, m_i[2] = {M_START, M_START}, l_i[2] = {0.f, 0.f};  // l.5
   for (int j = 0; j < j_end; j++) {                                         // l.6
     __syncthreads();  // every warp is done with the buffers (Q_i, or K_j-1 and V_j-1) before the refill
-    load_tile<B_c, d, NW * 32>(K_s, ld, K, j * B_c, N);                      // l.7
-    load_tile<B_c, d, NW * 32>(V_s, ld, V, j * B_c, N);
+    load_tile<B_c, d, NW * 32>(K_s, ld, K, j * B_c, N_k);                    // l.7
+    load_tile<B_c, d, NW * 32>(V_s, ld, V, j * B_c, N_k);
     __syncthreads();  // K_j and V_j are complete
 
     float S[B_c / 8][4] = {};                                               // l.8: S_ij = Q_i K_j^T
@@ -730,8 +771,8 @@ flash_fwd_turing(Rows<const __half> Q, Rows<const __half> K, Rows<const __half> 
         mma_m16n8k8_x2(S[nt], Q_frag[kk], b[0], b[1]);
         mma_m16n8k8_x2(S[nt + 1], Q_frag[kk], b[2], b[3]);
       }
-    const bool masked = causal ? (j + 1) * B_c > row0 : (j + 1) * B_c > N;  // any masked entry in block?
-    mask_and_scale<B_c>(S, row0 + 16 * warp + g, j * B_c + 2 * t, N, masked, causal, scale_log2);
+    const bool masked = mask.any(row0, B_r, j * B_c, B_c);  // any masked entry in the block?
+    mask_and_scale<B_c>(S, {r, r + 8}, j * B_c + 2 * t, mask, masked, scale_log2);
     float alpha[2];  // l.9, and the rescaling of O_i in l.10
     update_row_max<B_c>(S, m_i, l_i, alpha);
     rescale_O<d>(O_i, alpha);
@@ -749,7 +790,7 @@ flash_fwd_turing(Rows<const __half> Q, Rows<const __half> K, Rows<const __half> 
       }
     }
   }
-  write_O_L<__half, d>(O_i, m_i, l_i, O, L, row0 + 16 * warp + g, t, N);   // l.12-15
+  write_O_L<__half, d>(O_i, m_i, l_i, O, L, r, t, N_q);                    // l.12-15
 }
 
 // ======================================================================================================
@@ -846,40 +887,39 @@ __device__ void cp_async_tile(T* dst, Rows<const T> src, int row0, int N) {
 // per clock, one ldmatrix.x4 (512 bytes) per 4 clocks: with one mma per fragment it, not the tensor cores,
 // set the pace (docs/gpu-generations.md has the measurements).
 // Q_i's fragments (64 registers at d = 128) no longer fit beside O_i: each is read from shared memory once
-// per k slice and used by B_c/8 mma. Grid (T_r, H, B); NW warps, B_r = 32*NW; warp w owns rows 32w ..
+// per k slice and used by B_c/8 mma. Grid (T_r, H_q, B); NW warps, B_r = 32*NW; warp w owns rows 32w ..
 // 32w+31. Per warp, tile m and block j (nt: 8-column tile, kk: 16-wide k slice):
 //   S_ij (16, B_c)  = Q_i (16, d) K_j^T (d, B_c)    d/16 x B_c/8 mma, S[m][nt][4]
 //   O_i  (16, d)   += P_ij (16, B_c) V_j (B_c, d)   B_c/16 x d/8 mma, O_i[m][nt][4]
 template <typename T, int d, int NW, int B_c>
 __global__ void __launch_bounds__(NW * 32)
-flash_fwd_ampere(Rows<const T> Q, Rows<const T> K, Rows<const T> V, Rows<T> O, float* __restrict__ L, int N,
-                 float scale_log2, bool causal) {
+flash_fwd_ampere(Rows<const T> Q, Rows<const T> K, Rows<const T> V, Rows<T> O, float* __restrict__ L, Mask mask,
+                 int group, float scale_log2) {
   constexpr int B_r = 32 * NW, ld = d + 8;
   extern __shared__ __align__(16) unsigned char smem_raw[];
   T* Q_s = reinterpret_cast<T*>(smem_raw);  // Q_i           (B_r, d)    row stride ld
   T* K_s = Q_s + B_r * ld;                  // K_j, 2 stages (2, B_c, d) row stride ld
   T* V_s = K_s + 2 * B_c * ld;              // V_j, 2 stages (2, B_c, d) row stride ld
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
-  const int i = gridDim.x - 1 - blockIdx.x, row0 = i * B_r;
-  Q = Q.head(), K = K.head(), V = V.head(), O = O.head();
-  L += head_index() * N;
-  const int T_c = (N + B_c - 1) / B_c;
-  const int j_end = causal ? min(T_c, (row0 + B_r - 1) / B_c + 1) : T_c;
+  const int i = gridDim.x - 1 - blockIdx.x, row0 = i * B_r, N_q = mask.N_q, N_k = mask.N_k;
+  Q = Q.head(), K = K.head(group), V = V.head(group), O = O.head();
+  L += head_index() * N_q;
+  const int j_end = mask.key_blocks(row0, B_r, B_c);
   const T* Q_w = Q_s + 32 * warp * ld;  // this warp's 32 rows of Q_i
   const int r = row0 + 32 * warp + g;   // this lane's rows: r + 16m and r + 16m + 8 in tile m
 
-  cp_async_tile<B_r, d, NW * 32>(Q_s, Q, row0, N);                        // l.4: load Q_i
-  cp_async_tile<B_c, d, NW * 32>(K_s, K, 0, N);                           // l.7 for j = 0
-  cp_async_tile<B_c, d, NW * 32>(V_s, V, 0, N);
+  cp_async_tile<B_r, d, NW * 32>(Q_s, Q, row0, N_q);                      // l.4: load Q_i
+  cp_async_tile<B_c, d, NW * 32>(K_s, K, 0, N_k);                         // l.7 for j = 0
+  cp_async_tile<B_c, d, NW * 32>(V_s, V, 0, N_k);
   cp_async_commit();
 
-  float O_i[2][d / 8][4] = {}, m_i[2][2] = {{-INFINITY, -INFINITY}, {-INFINITY, -INFINITY}}, l_i[2][2] = {};  // l.5
+  float O_i[2][d / 8][4] = {}, m_i[2][2] = {{M_START, M_START}, {M_START, M_START}}, l_i[2][2] = {};  // l.5
   for (int j = 0; j < j_end; j++) {                                         // l.6
     const T* K_j = K_s + (j % 2) * B_c * ld;
     const T* V_j = V_s + (j % 2) * B_c * ld;
     if (j + 1 < j_end) {  // l.7 for block j+1, into the other stage (freed by the barrier ending j-1)
-      cp_async_tile<B_c, d, NW * 32>(K_s + ((j + 1) % 2) * B_c * ld, K, (j + 1) * B_c, N);
-      cp_async_tile<B_c, d, NW * 32>(V_s + ((j + 1) % 2) * B_c * ld, V, (j + 1) * B_c, N);
+      cp_async_tile<B_c, d, NW * 32>(K_s + ((j + 1) % 2) * B_c * ld, K, (j + 1) * B_c, N_k);
+      cp_async_tile<B_c, d, NW * 32>(V_s + ((j + 1) % 2) * B_c * ld, V, (j + 1) * B_c, N_k);
     }
     cp_async_commit();   // (an empty group on the last block keeps the counting below uniform)
     cp_async_wait<1>();  // everything but the newest group has landed: K_j and V_j (and Q_i)
@@ -897,11 +937,11 @@ flash_fwd_ampere(Rows<const T> Q, Rows<const T> K, Rows<const T> V, Rows<T> O, f
           mma_m16n8k16<T>(S[m][nt], Q_frag[m], b[0], b[1]), mma_m16n8k16<T>(S[m][nt + 1], Q_frag[m], b[2], b[3]);
       }
     }
-    const bool masked = causal ? (j + 1) * B_c > row0 : (j + 1) * B_c > N;  // any masked entry in block?
+    const bool masked = mask.any(row0, B_r, j * B_c, B_c);  // any masked entry in the block?
 #pragma unroll
     for (int m = 0; m < 2; m++) {  // l.9, and the rescaling of O_i in l.10
       float alpha[2];
-      mask_and_scale<B_c>(S[m], r + 16 * m, j * B_c + 2 * t, N, masked, causal, scale_log2);
+      mask_and_scale<B_c>(S[m], {r + 16 * m, r + 16 * m + 8}, j * B_c + 2 * t, mask, masked, scale_log2);
       update_row_max<B_c>(S[m], m_i[m], l_i[m], alpha);
       rescale_O<d>(O_i[m], alpha);
     }
@@ -922,12 +962,13 @@ flash_fwd_ampere(Rows<const T> Q, Rows<const T> K, Rows<const T> V, Rows<T> O, f
     __syncthreads();  // every warp is done with stage j % 2 before iteration j+1 refills it
   }
 #pragma unroll
-  for (int m = 0; m < 2; m++) write_O_L<T, d>(O_i[m], m_i[m], l_i[m], O, L, r + 16 * m, t, N);  // l.12-15
+  for (int m = 0; m < 2; m++) write_O_L<T, d>(O_i[m], m_i[m], l_i[m], O, L, r + 16 * m, t, N_q);  // l.12-15
 }
 
 // ------------------------------------------------------------------------------------------------------
 // fp16/bf16 backward on Ampere tensor cores (sm_80+): FlashAttention-2, Algorithm 2.
-// Grid (T_c, H, B): one block per key block K_j, V_j of one head, looping over query blocks Q_i.
+// Grid (T_c, H_q, B): one block per key block K_j, V_j of one query head (dK_j, dV_j per query head: the host
+// sums a group's), looping over query blocks Q_i.
 // Block of NW warps, B_c = 16*NW keys; warp w owns keys 16w .. 16w+15 and so rows of the transposed
 // products below, which keep dK_j and dV_j in its registers for the whole loop (fragment layout: see
 // the Turing section above; nt: 8-column tile, kk: 16-wide k slice):
@@ -942,8 +983,8 @@ flash_fwd_ampere(Rows<const T> Q, Rows<const T> K, Rows<const T> V, Rows<T> O, f
 template <typename T, int d, int B_r, int NW>
 __global__ void __launch_bounds__(NW * 32)
 flash_bwd_ampere(Rows<const T> Q, Rows<const T> K, Rows<const T> V, Rows<const T> dO, const float* __restrict__ L,
-                 const float* __restrict__ D, float* __restrict__ dQ, Rows<T> dK, Rows<T> dV, int N, float scale,
-                 bool causal) {
+                 const float* __restrict__ D, float* __restrict__ dQ, Rows<T> dK, Rows<T> dV, Mask mask, int group,
+                 float scale) {
   constexpr int B_c = 16 * NW, ld = d + 8, ldS = B_r + 8;
   constexpr int MT = B_r / 16, CW = NW / MT;  // dQ_i: MT row tiles x CW column groups, one per warp
   extern __shared__ __align__(16) unsigned char smem_raw[];
@@ -955,25 +996,25 @@ flash_bwd_ampere(Rows<const T> Q, Rows<const T> K, Rows<const T> V, Rows<const T
   float* L_s = reinterpret_cast<float*>(dS_s + B_c * ldS);  // L_i, 2 stages  (2, B_r)
   float* D_s = L_s + 2 * B_r;                               // D_i, 2 stages  (2, B_r)
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
-  const int j = blockIdx.x, col0 = j * B_c;
-  Q = Q.head(), K = K.head(), V = V.head(), dO = dO.head(), dK = dK.head(), dV = dV.head();
-  L += head_index() * N, D += head_index() * N, dQ += head_index() * N * d;
+  const int j = blockIdx.x, col0 = j * B_c, N_q = mask.N_q, N_k = mask.N_k;
+  Q = Q.head(), K = K.head(group), V = V.head(group), dO = dO.head(), dK = dK.head(), dV = dV.head();
+  L += head_index() * N_q, D += head_index() * N_q, dQ += head_index() * N_q * d;
   const float scale_log2 = scale * LOG2E;
-  const int T_r = (N + B_r - 1) / B_r, i_start = causal ? col0 / B_r : 0;  // causal: skip blocks above
+  const int T_r = (N_q + B_r - 1) / B_r, i_start = mask.first_query_block(col0, B_r);  // causal: skip blocks above
   const T* K_w = K_s + 16 * warp * ld;  // this warp's 16 keys
   const T* V_w = V_s + 16 * warp * ld;
   auto load_i = [&](int i, int stage) {  // l.9: Q_i, dO_i, L_i, D_i into one of the two stages
-    cp_async_tile<B_r, d, NW * 32>(Q_s + stage * B_r * ld, Q, i * B_r, N);
-    cp_async_tile<B_r, d, NW * 32>(dO_s + stage * B_r * ld, dO, i * B_r, N);
+    cp_async_tile<B_r, d, NW * 32>(Q_s + stage * B_r * ld, Q, i * B_r, N_q);
+    cp_async_tile<B_r, d, NW * 32>(dO_s + stage * B_r * ld, dO, i * B_r, N_q);
     const int r = i * B_r + threadIdx.x;
     if (threadIdx.x < B_r) {
-      cp_async_4(&L_s[stage * B_r + threadIdx.x], &L[r < N ? r : 0], r < N);
-      cp_async_4(&D_s[stage * B_r + threadIdx.x], &D[r < N ? r : 0], r < N);
+      cp_async_4(&L_s[stage * B_r + threadIdx.x], &L[r < N_q ? r : 0], r < N_q);
+      cp_async_4(&D_s[stage * B_r + threadIdx.x], &D[r < N_q ? r : 0], r < N_q);
     }
   };
 
-  cp_async_tile<B_c, d, NW * 32>(K_s, K, col0, N);                         // l.6: load K_j, V_j
-  cp_async_tile<B_c, d, NW * 32>(V_s, V, col0, N);
+  cp_async_tile<B_c, d, NW * 32>(K_s, K, col0, N_k);                       // l.6: load K_j, V_j
+  cp_async_tile<B_c, d, NW * 32>(V_s, V, col0, N_k);
   load_i(i_start, 0);
   cp_async_commit();
   float dK_j[d / 8][4] = {}, dV_j[d / 8][4] = {};                          // l.7: dK_j = dV_j = 0
@@ -1003,7 +1044,7 @@ flash_bwd_ampere(Rows<const T> Q, Rows<const T> K, Rows<const T> V, Rows<const T
         mma_m16n8k16<T>(dP[nt], V_frag, o[0], o[1]), mma_m16n8k16<T>(dP[nt + 1], V_frag, o[2], o[3]);  // l.13: dP_ij^T
       }
     }
-    const bool edge = (causal && row0 < col0 + B_c) || row0 + B_r > N || col0 + B_c > N;
+    const bool edge = mask.any(row0, B_r, col0, B_c) | (row0 + B_r > N_q);  // any entry to zero?
 #pragma unroll
     for (int nt = 0; nt < B_r / 8; nt++) {
       const float2 L_r = *reinterpret_cast<const float2*>(&L_i[8 * nt + 2 * t]);  // queries 8nt + 2t, + 1
@@ -1011,7 +1052,7 @@ flash_bwd_ampere(Rows<const T> Q, Rows<const T> K, Rows<const T> V, Rows<const T
 #pragma unroll
       for (int e = 0; e < 4; e++) {  // entry (key c, query r) of P^T and dS^T
         const int c = col0 + 16 * warp + g + 8 * (e / 2), r = row0 + 8 * nt + 2 * t + e % 2;
-        const bool seen = !edge || ((r < N) & !is_masked(r, c, N, causal));
+        const bool seen = !edge || ((r < N_q) & !mask.hides(r, c));
         const float L_r_e = e % 2 ? L_r.y : L_r.x, D_r_e = e % 2 ? D_r.y : D_r.x;
         S[nt][e] = seen ? exp2_ftz(S[nt][e] * scale_log2 - L_r_e * LOG2E) : 0.f;  // l.11: P_ij = exp(S_ij - L_i)
         dP[nt][e] = S[nt][e] * (dP[nt][e] - D_r_e);                             // l.14: dS_ij = P o (dP - D_i)
@@ -1057,15 +1098,178 @@ flash_bwd_ampere(Rows<const T> Q, Rows<const T> K, Rows<const T> V, Rows<const T
 #pragma unroll
     for (int h = 0; h < 2; h++) {
       const int r = row0 + m0 + g + 8 * h;
-      if (r < N)
+      if (r < N_q)
 #pragma unroll
         for (int nt = 0; nt < d / CW / 8; nt++)
           atomic_add_pair(&dQ[(size_t)r * d + n0 + 8 * nt + 2 * t], scale * dQ_i[nt][2 * h], scale * dQ_i[nt][2 * h + 1]);
     }
     __syncthreads();  // every warp is done with Q_s, dO_s stage and dS_s before the next block refills them
   }
-  store_rows<T, d>(dK, dK_j, col0 + 16 * warp + g, t, N, scale);          // l.18: write dK_j, dV_j
-  store_rows<T, d>(dV, dV_j, col0 + 16 * warp + g, t, N, 1.f);
+  store_rows<T, d>(dK, dK_j, col0 + 16 * warp + g, t, N_k, scale);        // l.18: write dK_j, dV_j
+  store_rows<T, d>(dV, dV_j, col0 + 16 * warp + g, t, N_k, 1.f);
+}
+
+// ------------------------------------------------------------------------------------------------------
+// Decoding on Ampere tensor cores (sm_80+; the hopper kernel decodes with it too): Algorithm 1 for a few
+// queries against many keys, with split-KV ("flash-decoding"; notebook 09). The paper's section 3.2 fills the
+// GPU, when B * H is small, by giving each query block its own thread block; with one query block, the
+// sequence left to divide is the keys.
+// One block per query block of one head, as above, launches B * H_q blocks for one new token per sequence:
+// 32 on a 132-SM H100 at B = 1, H_q = 32, each streaming a whole K and V alone. Here instead:
+// - Rows: the G = H_q / H_kv query heads that read one key/value head, times their N_q queries, are the
+//   rows of 16-row tiles: row x (of G * N_q) is query x % N_q of head h_kv * G + x / N_q. Each K_j, V_j
+//   read from memory serves the whole group.
+// - Splits: the T_c key blocks are divided into gridDim.x contiguous ranges, one per thread block, so that
+//   B * H_kv * tiles * splits blocks fill the GPU. Each block writes O and L over its keys alone (fp32, into
+//   O_part and L_part) and flash_merge_splits combines them by L; with one split the block writes O and L itself.
+// - Warps: each of the 4 warps takes 16 of the B_c = 64 keys of every block, keeps its own m_i, l_i and O_i
+//   over them, and the warps' parts are merged at the end by the same rule as the splits.
+// Grid (splits, H_kv * tiles, B); 128 threads; K_j and V_j stream through STAGES cp.async stages. Per warp
+// and block j (the fragments of the Ampere forward, with one 16-row tile):
+//   S (16, 16)  = Q (16, d) K_j[16w .. 16w+15]^T      d/16 x 2 mma
+//   O (16, d)  += P (16, 16) V_j[16w .. 16w+15]       d/8 mma
+// seqlens_k (B), if given, is each sequence's own number of keys (a KV cache with room to spare).
+template <typename T, int d, int STAGES>
+__global__ void __launch_bounds__(128)
+flash_decode(Rows<const T> Q, Rows<const T> K, Rows<const T> V, Rows<T> O, float* __restrict__ L,
+             float* __restrict__ O_part, float* __restrict__ L_part, Mask mask, const int* __restrict__ seqlens_k,
+             int G, float scale_log2) {
+  constexpr int B_c = 64, ld = d + 8;
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  T* Q_s = reinterpret_cast<T*>(smem_raw);  // the tile's 16 query rows    (16, d)                row stride ld
+  T* KV_s = Q_s + 16 * ld;                  // K_j, V_j in STAGES stages   (STAGES, 2, B_c, d)    row stride ld
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
+  const int N_q = mask.N_q, rows = G * N_q, tiles = (rows + 15) / 16, H_q = G * (gridDim.y / tiles);
+  const int h_kv = blockIdx.y / tiles, row0 = 16 * (blockIdx.y % tiles);  // this block's rows: row0 .. row0+15
+  if (seqlens_k) mask.N_k = seqlens_k[blockIdx.z];
+  const int N_k = mask.N_k, T_c = (N_k + B_c - 1) / B_c;
+  const int j_begin = T_c * blockIdx.x / gridDim.x, j_end = T_c * (blockIdx.x + 1) / gridDim.x;  // this split
+  K = K.head(tiles), V = V.head(tiles);  // key/value head h_kv
+  auto head = [&](int x) { return h_kv * G + x / N_q; };  // row x's query head and query
+  auto query = [&](int x) { return x % N_q; };
+
+  for (int idx = threadIdx.x; idx < 16 * d / 8; idx += 128) {  // l.4: load Q_i, the 16 rows, 16 bytes at a time
+    const int r = idx / (d / 8), c = 8 * (idx % (d / 8)), x = row0 + r;
+    uint4 q = make_uint4(0, 0, 0, 0);
+    if (x < rows) q = *reinterpret_cast<const uint4*>(Q.ptr + blockIdx.z * Q.stride_b + head(x) * Q.stride_h +
+                                                      query(x) * Q.stride_n + c);
+    *reinterpret_cast<uint4*>(&Q_s[r * ld + c]) = q;
+  }
+  auto load_KV = [&](int j, int s) {  // l.7: load K_j, V_j into stage s, zero past N_k
+    cp_async_tile<B_c, d, 128>(KV_s + 2 * s * B_c * ld, K, j * B_c, N_k);
+    cp_async_tile<B_c, d, 128>(KV_s + (2 * s + 1) * B_c * ld, V, j * B_c, N_k);
+  };
+  for (int s = 0; s < STAGES - 1; s++) {  // the first STAGES - 1 blocks in flight
+    if (j_begin + s < j_end) load_KV(j_begin + s, s);
+    cp_async_commit();
+  }
+  __syncthreads();  // the queries are in shared memory
+  uint32_t Q_frag[d / 16][4];  // A fragments of the 16 rows (addresses as in the Turing kernel)
+  for (int kk = 0; kk < d / 16; kk++) ldmatrix_x4(Q_frag[kk], &Q_s[(lane % 16) * ld + 16 * kk + 8 * (lane / 16)]);
+
+  const int r[2] = {query(row0 + g), query(row0 + g + 8)};  // this lane's rows as queries, for the mask
+  float O_i[d / 8][4] = {}, m_i[2] = {M_START, M_START}, l_i[2] = {0.f, 0.f};  // l.5
+  for (int j = j_begin; j < j_end; j++) {                                        // l.6
+    const int s = (j - j_begin) % STAGES;
+    cp_async_wait<STAGES - 2>();  // block j has landed (all but the newest STAGES - 2 groups)
+    __syncthreads();              // ... for every thread's copies; and every warp is done with block j-1
+    if (j + STAGES - 1 < j_end) load_KV(j + STAGES - 1, (s + STAGES - 1) % STAGES);  // into j-1's stage
+    cp_async_commit();
+    const T* K_w = KV_s + 2 * s * B_c * ld + 16 * warp * ld;  // this warp's 16 keys of K_j and V_j
+    const T* V_w = K_w + B_c * ld;
+
+    float S[2][4] = {};                                                          // l.8: S_ij = Q_i K_j^T
+#pragma unroll
+    for (int kk = 0; kk < d / 16; kk++) {
+      uint32_t b[4];  // B fragments of the warp's 16 keys (addresses as in the Turing kernel)
+      ldmatrix_x4(b, &K_w[(lane % 8 + 8 * (lane / 16)) * ld + 16 * kk + 8 * (lane / 8 % 2)]);
+      mma_m16n8k16<T>(S[0], Q_frag[kk], b[0], b[1]), mma_m16n8k16<T>(S[1], Q_frag[kk], b[2], b[3]);
+    }
+    const int c0 = j * B_c + 16 * warp;  // the warp's first key
+    float alpha[2];  // l.9, and the rescaling of O_i in l.10
+    mask_and_scale<16>(S, r, c0 + 2 * t, mask, mask.any(0, N_q, c0, 16), scale_log2);
+    update_row_max<16>(S, m_i, l_i, alpha);
+    rescale_O<d>(O_i, alpha);
+    uint32_t P_frag[4];  // P as the A fragment of one 16-wide slice: keys c0 .. c0+7, c0+8 .. c0+15
+    exp_and_pack<T>(P_frag[0], P_frag[1], S[0], m_i, l_i), exp_and_pack<T>(P_frag[2], P_frag[3], S[1], m_i, l_i);
+#pragma unroll
+    for (int nt = 0; nt < d / 8; nt += 2) {                                      // l.10: O_i += P_ij V_j
+      uint32_t b[4];  // B fragments of V_j, transposed on the way (addresses as in the Turing kernel)
+      ldmatrix_x4_trans(b, &V_w[(lane % 8 + 8 * (lane / 8 % 2)) * ld + 8 * nt + 8 * (lane / 16)]);
+      mma_m16n8k16<T>(O_i[nt], P_frag, b[0], b[1]), mma_m16n8k16<T>(O_i[nt + 1], P_frag, b[2], b[3]);
+    }
+  }
+
+  // The warps' parts (m_w, l_w, O_w) merged: m = max_w m_w, l = sum_w e^(m_w - m) l_w, O = sum_w e^(m_w - m) O_w
+  cp_async_wait<0>();
+  __syncthreads();  // every warp is done with the stages, whose memory now takes the warps' parts
+  float* m_s = reinterpret_cast<float*>(KV_s);  // (4, 16)     each warp's m_i
+  float* l_s = m_s + 4 * 16;                     // (4, 16)     each warp's l_i
+  float* O_s = l_s + 4 * 16;                     // (4, 16, d)  each warp's O_i (not divided by l_i)
+  for (int h = 0; h < 2; h++) {
+    l_i[h] += __shfl_xor_sync(~0u, l_i[h], 1);  // the row's sum over the 4 lanes of its quad
+    l_i[h] += __shfl_xor_sync(~0u, l_i[h], 2);
+    const int x = 16 * warp + g + 8 * h;
+    if (t == 0) m_s[x] = m_i[h], l_s[x] = l_i[h];
+    for (int nt = 0; nt < d / 8; nt++)
+      *reinterpret_cast<float2*>(&O_s[x * d + 8 * nt + 2 * t]) = make_float2(O_i[nt][2 * h], O_i[nt][2 * h + 1]);
+  }
+  __syncthreads();  // every warp's part is in shared memory
+  for (int idx = threadIdx.x; idx < 16 * d / 2; idx += 128) {  // two columns c, c + 1 of row row0 + x
+    const int x = idx / (d / 2), c = 2 * (idx % (d / 2));
+    if (row0 + x >= rows) break;
+    float m = M_START, l = 0.f, o0 = 0.f, o1 = 0.f;
+    for (int w = 0; w < 4; w++) m = fmaxf(m, m_s[16 * w + x]);
+    for (int w = 0; w < 4; w++) {
+      const float f = exp2_ftz(m_s[16 * w + x] - m);
+      l += f * l_s[16 * w + x], o0 += f * O_s[(16 * w + x) * d + c], o1 += f * O_s[(16 * w + x) * d + c + 1];
+    }
+    const int h = head(row0 + x), n = query(row0 + x);
+    const size_t q = ((size_t)blockIdx.z * H_q + h) * N_q + n;  // the row's index in L (B, H_q, N_q)
+    if (gridDim.x == 1) {  // l.12-15: O_i = O_i / l_i and L_i, written (one split: the block saw every key)
+      T* O_r = O.ptr + blockIdx.z * O.stride_b + h * O.stride_h + n * O.stride_n;
+      *reinterpret_cast<uint32_t*>(O_r + c) = pack<T>(o0 * inverse(l), o1 * inverse(l));
+      if (c == 0) L[q] = log_sum_exp(m, l);
+    } else {  // this split's O and L over its keys, for flash_merge_splits
+      const size_t part = (size_t)blockIdx.x * gridDim.z * H_q * N_q + q;
+      *reinterpret_cast<float2*>(&O_part[part * d + c]) = make_float2(o0 * inverse(l), o1 * inverse(l));
+      if (c == 0) L_part[part] = log_sum_exp(m, l);
+    }
+  }
+}
+
+// Split-KV, the second kernel: each query row's O and L from the parts of the splits, by their L
+// (reference.merge; notebook 03 proves the rule):  L = log sum_s e^(L_s),  O = sum_s e^(L_s - L) O_s.
+// A split that saw no key of a row has L_s = -inf and weighs 0. One warp per row of the n_rows = B * H_q * N_q,
+// lane l holding columns 64k + 2l, +1; O_part (splits, B, H_q, N_q, d) and L_part (splits, B, H_q, N_q), fp32.
+// Decoding has few rows and many splits: the lanes share out the splits for L, and the loop over the splits
+// for O is unrolled, so that several loads are in flight at once rather than one after the other.
+template <typename T, int d>
+__global__ void flash_merge_splits(const float* __restrict__ O_part, const float* __restrict__ L_part, Rows<T> O,
+                                   float* __restrict__ L, int splits, int64_t n_rows, int H_q, int N_q) {
+  const int64_t q = (int64_t)blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32;
+  const int lane = threadIdx.x % 32;
+  if (q >= n_rows) return;  // whole warps leave together
+  float L_max = -INFINITY, sum = 0.f;
+  for (int s = lane; s < splits; s += 32) L_max = fmaxf(L_max, L_part[s * n_rows + q]);
+  for (int off = 16; off > 0; off /= 2) L_max = fmaxf(L_max, __shfl_xor_sync(~0u, L_max, off));
+  if (L_max > -INFINITY)  // (else no split saw a key: L = -inf and O = 0)
+    for (int s = lane; s < splits; s += 32) sum += expf(L_part[s * n_rows + q] - L_max);
+  for (int off = 16; off > 0; off /= 2) sum += __shfl_xor_sync(~0u, sum, off);
+  const float L_q = L_max + logf(sum);  // -inf if no split saw a key
+  float o[d / 64][2] = {};
+#pragma unroll 8
+  for (int s = 0; s < splits; s++) {
+    const float w = L_max > -INFINITY ? expf(L_part[s * n_rows + q] - L_q) : 0.f;  // e^(L_s - L)
+    for (int k = 0; k < d / 64; k++) {
+      const float2 x = *reinterpret_cast<const float2*>(&O_part[(s * n_rows + q) * d + 64 * k + 2 * lane]);
+      o[k][0] += w * x.x, o[k][1] += w * x.y;
+    }
+  }
+  const int n = q % N_q, h = q / N_q % H_q, b = q / N_q / H_q;
+  T* O_r = O.ptr + b * O.stride_b + h * O.stride_h + n * O.stride_n;
+  for (int k = 0; k < d / 64; k++) *reinterpret_cast<uint32_t*>(O_r + 64 * k + 2 * lane) = pack<T>(o[k][0], o[k][1]);
+  if (lane == 0) L[q] = L_q;
 }
 
 // ======================================================================================================
@@ -1118,11 +1322,11 @@ __device__ inline void mbar_wait(uint32_t bar, int parity) {  // until the phase
 }
 
 // for (r, c) in the map's box (rows, 64): dst[swizzled (r, c)] = X[b][h][row + r][col + c], zero past N,
-// for this block's head (h, b) = (blockIdx.y, blockIdx.z); the copy runs on its own and counts its bytes on bar.
-__device__ inline void tma_load(uint32_t dst, const CUtensorMap& map, int col, int row, uint32_t bar) {
+// for head h of this block's batch b = blockIdx.z; the copy runs on its own and counts its bytes on bar.
+__device__ inline void tma_load(uint32_t dst, const CUtensorMap& map, int col, int row, int h, uint32_t bar) {
   asm volatile("cp.async.bulk.tensor.4d.shared::cluster.global.mbarrier::complete_tx::bytes"
                " [%0], [%1, {%2, %3, %4, %5}], [%6];"
-               ::"r"(dst), "l"(reinterpret_cast<uint64_t>(&map)), "r"(col), "r"(row), "r"(blockIdx.y), "r"(blockIdx.z),
+               ::"r"(dst), "l"(reinterpret_cast<uint64_t>(&map)), "r"(col), "r"(row), "r"(h), "r"(blockIdx.z),
                "r"(bar) : "memory");
 }
 
@@ -1202,7 +1406,7 @@ __device__ void to_A_fragments(uint32_t (&A)[n / 16][4], const float (&S)[n / 8]
 }
 
 // fp16/bf16 forward on Hopper (sm_90a): FlashAttention-2's Algorithm 1 with FlashAttention-3's machinery.
-// Grid (T_r, H, B); 1 + NWG warpgroups; B_r = 64*NWG, B_c = 128. Warpgroup 0 is the producer: one of its
+// Grid (T_r, H_q, B); 1 + NWG warpgroups; B_r = 64*NWG, B_c = 128. Warpgroup 0 is the producer: one of its
 // threads issues every TMA load. Warpgroup c = 1..NWG is a consumer owning rows 64(c-1) .. 64c-1 of Q_i,
 // S_ij and O_i; per block j it computes, with the m16n8 fragments of the Ampere kernel in each warp:
 //   S_ij (64, B_c)  = Q_i (64, d) K_j^T (d, B_c)    d/16 wgmma m64n128k16, A and B from shared memory
@@ -1223,8 +1427,8 @@ __device__ void to_A_fragments(uint32_t (&A)[n / 16][4], const float (&S)[n / 8]
 template <typename T, int d, int NWG, int B_c, int STAGES>
 __global__ void __launch_bounds__(128 * (NWG + 1), 1)
 flash_fwd_hopper(const __grid_constant__ CUtensorMap Q_map, const __grid_constant__ CUtensorMap K_map,
-                 const __grid_constant__ CUtensorMap V_map, Rows<T> O, float* __restrict__ L, int N, float scale_log2,
-                 bool causal) {
+                 const __grid_constant__ CUtensorMap V_map, Rows<T> O, float* __restrict__ L, Mask mask, int group,
+                 float scale_log2) {
 #if SM90A
   constexpr int B_r = 64 * NWG;
   static_assert(B_c == 128, "S_ij is one wgmma m64n128k16 per k slice");
@@ -1240,8 +1444,7 @@ flash_fwd_hopper(const __grid_constant__ CUtensorMap Q_map, const __grid_constan
   auto full = [&](int s) { return Q_full + 8 * (1 + s); };
   auto empty = [&](int s) { return Q_full + 8 * (1 + STAGES + s); };
   const int wg = threadIdx.x / 128, i = gridDim.x - 1 - blockIdx.x, row0 = i * B_r;
-  const int T_c = (N + B_c - 1) / B_c;
-  const int j_end = causal ? min(T_c, (row0 + B_r - 1) / B_c + 1) : T_c;  // causal: blocks past the diagonal skipped
+  const int j_end = mask.key_blocks(row0, B_r, B_c);  // causal: blocks past the diagonal skipped
 
   if (threadIdx.x == 0) {
     mbar_init(Q_full, 1);
@@ -1253,15 +1456,16 @@ flash_fwd_hopper(const __grid_constant__ CUtensorMap Q_map, const __grid_constan
   if (wg == 0) {  // producer
     asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;" ::"n"(producer_regs));
     if (threadIdx.x == 0) {
+      const int h = blockIdx.y, h_kv = h / group;  // query head h reads key/value head h / group
       mbar_arrive_expect_bytes(Q_full, Q_bytes);                                   // l.4: load Q_i
-      for (int c = 0; c < d / 64; c++) tma_load(Q_s + c * B_r * 128, Q_map, 64 * c, row0, Q_full);
+      for (int c = 0; c < d / 64; c++) tma_load(Q_s + c * B_r * 128, Q_map, 64 * c, row0, h, Q_full);
       for (int j = 0; j < j_end; j++) {                                            // l.7: load K_j, V_j
         const int s = j % STAGES;
         if (j >= STAGES) mbar_wait(empty(s), (j / STAGES - 1) % 2);  // block j - STAGES is out of stage s
         mbar_arrive_expect_bytes(full(s), 2 * KV_bytes);
         for (int c = 0; c < d / 64; c++) {
-          tma_load(K_s(s) + c * B_c * 128, K_map, 64 * c, j * B_c, full(s));
-          tma_load(V_s(s) + c * B_c * 128, V_map, 64 * c, j * B_c, full(s));
+          tma_load(K_s(s) + c * B_c * 128, K_map, 64 * c, j * B_c, h_kv, full(s));
+          tma_load(V_s(s) + c * B_c * 128, V_map, 64 * c, j * B_c, h_kv, full(s));
         }
       }
     }
@@ -1270,7 +1474,7 @@ flash_fwd_hopper(const __grid_constant__ CUtensorMap Q_map, const __grid_constan
     const int warp = threadIdx.x / 32 % 4, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
     const int r = row0 + 64 * (wg - 1) + 16 * warp + g;  // this lane's rows are r and r + 8
     const uint32_t Q_wg = Q_s + 64 * (wg - 1) * 128;     // this warpgroup's 64 rows of each Q_i panel
-    float O_i[d / 8][4] = {}, m_i[2] = {-INFINITY, -INFINITY}, l_i[2] = {0.f, 0.f};  // l.5
+    float O_i[d / 8][4] = {}, m_i[2] = {M_START, M_START}, l_i[2] = {0.f, 0.f};  // l.5
     float S[B_c / 8][4], alpha[2];  // S_ij, then P_ij in fp32
     uint32_t P[B_c / 16][4];        // P_ij as A fragments, read by the wgmma on O_i
     // S_ij = Q_i K_j^T (l.8) on tensor cores, for j's stage s: d/16 wgmma, k slice kk 32 bytes * (kk % 4) into
@@ -1283,8 +1487,8 @@ flash_fwd_hopper(const __grid_constant__ CUtensorMap Q_map, const __grid_constan
     };
     // l.9 for block j, on the CUDA cores: m_i, l_i and alpha updated, S_ij replaced by P_ij in place (fp32)
     auto softmax = [&](int j) {
-      const bool masked = causal ? (j + 1) * B_c > row0 : (j + 1) * B_c > N;  // any masked entry in block?
-      mask_and_scale<B_c>(S, r, j * B_c + 2 * t, N, masked, causal, scale_log2);
+      const bool masked = mask.any(row0, B_r, j * B_c, B_c);  // any masked entry in the block?
+      mask_and_scale<B_c>(S, {r, r + 8}, j * B_c + 2 * t, mask, masked, scale_log2);
       update_row_max<B_c>(S, m_i, l_i, alpha);
       for (int nt = 0; nt < B_c / 8; nt++)
         for (int e = 0; e < 4; e++) S[nt][e] = exp2_ftz(S[nt][e] - m_i[e / 2]), l_i[e / 2] += S[nt][e];
@@ -1340,7 +1544,7 @@ flash_fwd_hopper(const __grid_constant__ CUtensorMap Q_map, const __grid_constan
     issue_PV((j_end - 1) % STAGES);
     if (wg < NWG) next_turn();  // (the last consumer's turn token would never be taken)
     wgmma_wait<0>(O_i);
-    write_O_L<T, d>(O_i, m_i, l_i, O.head(), L + head_index() * N, r, t, N);  // l.12-15
+    write_O_L<T, d>(O_i, m_i, l_i, O.head(), L + head_index() * mask.N_q, r, t, mask.N_q);  // l.12-15
   }
 #endif
 }
@@ -1368,7 +1572,8 @@ __device__ void copy_L_D(float* LD, const float* L, const float* D, int row0, in
 
 // fp16/bf16 backward on Hopper (sm_90a): FlashAttention-2's Algorithm 2 with the forward's producer
 // warpgroup and mbarrier stages, and the Ampere backward's transposed products.
-// Grid (T_c, H, B): one block per key block K_j, V_j (B_c = 128 keys) of one head, looping over query blocks
+// Grid (T_c, H_q, B): one block per key block K_j, V_j (B_c = 128 keys) of one query head (dK_j, dV_j per query
+// head: the host sums a group's), looping over query blocks
 // (B_r = 64). Warpgroup 0 is the producer: one thread loads K_j and V_j once, then Q_i and dO_i into STAGES
 // stages with TMA, and warp 1 copies L_i and D_i beside them. Consumer c = 1, 2 owns keys 64(c-1) .. 64c-1
 // of the block, and so the rows of its transposed products (warp w: keys 16w .. 16w+15 of the 64):
@@ -1393,7 +1598,7 @@ __global__ void __launch_bounds__(384, 1)
 flash_bwd_hopper(const __grid_constant__ CUtensorMap Q_map, const __grid_constant__ CUtensorMap K_map,
                  const __grid_constant__ CUtensorMap V_map, const __grid_constant__ CUtensorMap dO_map,
                  const float* __restrict__ L, const float* __restrict__ D, float* __restrict__ dQ, Rows<T> dK,
-                 Rows<T> dV, int N, float scale, bool causal) {
+                 Rows<T> dV, Mask mask, int group, float scale) {
 #if SM90A
   constexpr int B_r = 64, B_c = 128;
   constexpr uint32_t KV_bytes = B_c * d * sizeof(T), Q_bytes = B_r * d * sizeof(T), P_bytes = B_c * B_r * sizeof(T);
@@ -1407,8 +1612,8 @@ flash_bwd_hopper(const __grid_constant__ CUtensorMap Q_map, const __grid_constan
   const uint32_t KV_full = LD_s(STAGES);                                // then the mbarriers, 8 bytes each
   auto full = [&](int s) { return KV_full + 8 * (1 + s); };
   auto empty = [&](int s) { return KV_full + 8 * (1 + STAGES + s); };
-  const int wg = threadIdx.x / 128, j = blockIdx.x, col0 = j * B_c;
-  const int T_r = (N + B_r - 1) / B_r, i_start = causal ? col0 / B_r : 0;  // causal: blocks above skipped
+  const int wg = threadIdx.x / 128, j = blockIdx.x, col0 = j * B_c, N_q = mask.N_q, N_k = mask.N_k;
+  const int T_r = (N_q + B_r - 1) / B_r, i_start = mask.first_query_block(col0, B_r);  // causal: blocks above skipped
   auto stage = [&](int i) { return (i - i_start) % STAGES; };  // query block i's stage, and how many times
   auto round = [&](int i) { return (i - i_start) / STAGES; };  // that stage has been filled before it
 
@@ -1422,26 +1627,27 @@ flash_bwd_hopper(const __grid_constant__ CUtensorMap Q_map, const __grid_constan
   if (wg == 0) {  // producer
     asm volatile("setmaxnreg.dec.sync.aligned.u32 24;");
     if (threadIdx.x == 0) {
+      const int h = blockIdx.y, h_kv = h / group;  // query head h reads key/value head h / group
       mbar_arrive_expect_bytes(KV_full, 2 * KV_bytes);                       // l.6: load K_j, V_j
       for (int c = 0; c < d / 64; c++) {
-        tma_load(K_s + c * B_c * 128, K_map, 64 * c, col0, KV_full);
-        tma_load(V_s + c * B_c * 128, V_map, 64 * c, col0, KV_full);
+        tma_load(K_s + c * B_c * 128, K_map, 64 * c, col0, h_kv, KV_full);
+        tma_load(V_s + c * B_c * 128, V_map, 64 * c, col0, h_kv, KV_full);
       }
       for (int i = i_start; i < T_r; i++) {                                   // l.9: load Q_i, dO_i
         const int s = stage(i);
         if (round(i) > 0) mbar_wait(empty(s), (round(i) - 1) % 2);  // block i - STAGES is out of stage s
         mbar_arrive_expect_bytes(full(s), 2 * Q_bytes);
         for (int c = 0; c < d / 64; c++) {
-          tma_load(Q_s(s) + c * B_r * 128, Q_map, 64 * c, i * B_r, full(s));
-          tma_load(dO_s(s) + c * B_r * 128, dO_map, 64 * c, i * B_r, full(s));
+          tma_load(Q_s(s) + c * B_r * 128, Q_map, 64 * c, i * B_r, h, full(s));
+          tma_load(dO_s(s) + c * B_r * 128, dO_map, 64 * c, i * B_r, h, full(s));
         }
       }
     } else if (threadIdx.x / 32 == 1) {  // warp 1: L_i and D_i, which TMA cannot copy (rows of N floats are
       for (int i = i_start; i < T_r; i++) {  // not 16-byte aligned); each lane arrives on full(s) when done
         const int s = stage(i);
         if (round(i) > 0) mbar_wait(empty(s), (round(i) - 1) % 2);
-        copy_L_D<B_r>(reinterpret_cast<float*>(__cvta_shared_to_generic(LD_s(s))), L + head_index() * N,
-                      D + head_index() * N, i * B_r, N);
+        copy_L_D<B_r>(reinterpret_cast<float*>(__cvta_shared_to_generic(LD_s(s))), L + head_index() * N_q,
+                      D + head_index() * N_q, i * B_r, N_q);
         mbar_arrive(full(s));
       }
     }
@@ -1491,9 +1697,9 @@ flash_bwd_hopper(const __grid_constant__ CUtensorMap Q_map, const __grid_constan
       wgmma_wait<0>(dQ_i);
       for (int h = 0; h < 2; h++) {
         const int r = i * B_r + 16 * warp + g + 8 * h;  // dQ_i's rows are queries: this lane's are r, r + 8
-        if (r < N)
+        if (r < N_q)
           for (int nt = 0; nt < d / 16; nt++)
-            atomic_add_pair(&dQ[(head_index() * N + r) * d + n0 + 8 * nt + 2 * t], scale * dQ_i[nt][2 * h],
+            atomic_add_pair(&dQ[(head_index() * N_q + r) * d + n0 + 8 * nt + 2 * t], scale * dQ_i[nt][2 * h],
                             scale * dQ_i[nt][2 * h + 1]);
       }
     };
@@ -1506,7 +1712,7 @@ flash_bwd_hopper(const __grid_constant__ CUtensorMap Q_map, const __grid_constan
       const int row0 = i * B_r;
       const float* L_i = reinterpret_cast<const float*>(__cvta_shared_to_generic(LD_s(stage(i))));
       const float* D_i = L_i + B_r;
-      const bool edge = (causal && row0 < col0 + key0 + 64) || row0 + B_r > N || col0 + B_c > N;  // any masked?
+      const bool edge = mask.any(row0, B_r, col0 + key0, 64) | (row0 + B_r > N_q);  // any entry to zero?
       wgmma_wait<2>(S);
       for (int nt = 0; nt < B_r / 8; nt++)  // entry (key c + 8(e / 2), query row0 + 8nt + 2t + e % 2)
         for (int e = 0; e < 4; e++) S[nt][e] = exp2_ftz(S[nt][e] * scale_log2 - L_i[8 * nt + 2 * t + e % 2]);
@@ -1514,7 +1720,7 @@ flash_bwd_hopper(const __grid_constant__ CUtensorMap Q_map, const __grid_constan
         for (int nt = 0; nt < B_r / 8; nt++)
           for (int e = 0; e < 4; e++) {
             const int key = c + 8 * (e / 2), r = row0 + 8 * nt + 2 * t + e % 2;
-            if ((r >= N) | is_masked(r, key, N, causal)) S[nt][e] = 0.f;
+            if ((r >= N_q) | mask.hides(r, key)) S[nt][e] = 0.f;
           }
       wgmma_wait<1>(dP);
       for (int nt = 0; nt < B_r / 8; nt++)
@@ -1552,8 +1758,8 @@ flash_bwd_hopper(const __grid_constant__ CUtensorMap Q_map, const __grid_constan
     issue_dV_dK(T_r - 1);
     wgmma_wait<0>(dV_j, dK_j);
     release(T_r - 1);
-    store_rows<T, d>(dK.head(), dK_j, c, t, N, scale);                          // l.18: write dK_j, dV_j
-    store_rows<T, d>(dV.head(), dV_j, c, t, N, 1.f);
+    store_rows<T, d>(dK.head(), dK_j, c, t, N_k, scale);                        // l.18: write dK_j, dV_j
+    store_rows<T, d>(dV.head(), dV_j, c, t, N_k, 1.f);
   }
 #endif
 }
@@ -1584,8 +1790,13 @@ Rows<T> rows(const at::Tensor& X) {
 template <typename T>
 T* ptr(const at::Tensor& x) { return reinterpret_cast<T*>(x.data_ptr()); }
 
-// The grid of every kernel: `blocks` per head (query or key blocks), one head per (y, z) = (h, b).
+// The grid of every kernel but decoding's: `blocks` per query head (query or key blocks), one head per
+// (y, z) = (h, b).
 dim3 grid(int blocks, const at::Tensor& Q) { return dim3(blocks, Q.size(1), Q.size(0)); }
+// What every kernel takes besides the tensors: the mask (N_q, N_k, causal) and the number of query heads
+// that share one key/value head.
+Mask mask(const at::Tensor& Q, const at::Tensor& K, bool causal) { return {int(Q.size(2)), int(K.size(2)), causal}; }
+int group(const at::Tensor& Q, const at::Tensor& K) { return Q.size(1) / K.size(1); }
 
 // Kernels that need more than 48 KB of shared memory must ask for it before their first launch.
 template <typename Kernel>
@@ -1613,6 +1824,63 @@ void launch_preprocess(const at::Tensor& O, const at::Tensor& dO, at::Tensor& D,
          rows<const T>(dO), ptr<float>(D), (int)O.size(2), (int)O.size(3));
 }
 
+// Decoding, for the kernels with split_kv in KERNELS (ampere, hopper): flash_decode on every query tile and
+// split, then flash_merge_splits if there is more than one split. Declared for all: forward() names it.
+template <typename T, int d, int STAGES = 4>
+void decode(const at::Tensor& Q, const at::Tensor& K, const at::Tensor& V, at::Tensor& O, at::Tensor& L,
+            const int* seqlens_k, bool causal, float scale, cudaStream_t stream)
+#if defined(BUILD_ampere) || defined(BUILD_hopper)
+{
+  constexpr int B_c = 64;
+  const int B = Q.size(0), H_q = Q.size(1), N_q = Q.size(2), H_kv = K.size(1), N_k = K.size(2), G = H_q / H_kv;
+  // Four stages: 143 KB of shared memory at d = 128, one block per H100 SM (on an H100, 2-11% faster than
+  // three stages and two blocks); two stages (74 KB) where a block gets less (99 KB on sm_86 and sm_89)
+  const size_t smem = sizeof(T) * (16 + 2 * STAGES * B_c) * (d + 8);
+  if constexpr (STAGES > 2)
+    if (smem > max_smem_per_block()) return decode<T, d, 2>(Q, K, V, O, L, seqlens_k, causal, scale, stream);
+  // Splits: the blocks should fill the GPU in whole waves, since a last wave that is mostly empty leaves SMs
+  // idle for a block's whole time. Of the split counts that give each split 2 key blocks or more, the
+  // fewest whose waves are 95% as full as the fullest can be (at B * H_kv = 8 on an H100: 16 splits
+  // fill 132 block slots at d = 128, one per SM; one split would leave 124 empty).
+  const auto kernel = flash_decode<T, d, STAGES>;
+  int device;
+  CUDA_CHECK(cudaGetDevice(&device));
+  static int slots[64] = {};  // blocks of this kernel that the device's SMs hold at once, asked once per device
+  if (!slots[device]) {       // (the occupancy query costs more than a short decoding step)
+    int sms, per_sm;
+    CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
+    CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
+    CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, 128, smem));
+    slots[device] = sms * per_sm;
+  }
+  const int tiles = (G * N_q + 15) / 16, T_c = (N_k + B_c - 1) / B_c, blocks = B * H_kv * tiles;
+  const auto fullness = [&](int splits) {  // of the last wave
+    const double waves = double(blocks) * splits / slots[device];
+    return waves / std::ceil(waves);
+  };
+  const int most = std::clamp(T_c / 2, 1, 128);
+  double best = 0;
+  for (int s = 1; s <= most; s++) best = std::max(best, fullness(s));
+  int splits = 1;
+  while (fullness(splits) < 0.95 * best) splits++;
+  const dim3 grid(splits, H_kv * tiles, B);
+  if (splits == 1) {
+    launch(kernel, grid, 128, smem, stream, rows<const T>(Q), rows<const T>(K), rows<const T>(V), rows<T>(O),
+           ptr<float>(L), nullptr, nullptr, mask(Q, K, causal), seqlens_k, G, scale * LOG2E);
+    return;
+  }
+  auto O_part = at::empty({splits, B, H_q, N_q, d}, Q.options().dtype(at::kFloat));
+  auto L_part = at::empty({splits, B, H_q, N_q}, Q.options().dtype(at::kFloat));
+  launch(kernel, grid, 128, smem, stream, rows<const T>(Q), rows<const T>(K), rows<const T>(V), rows<T>(O),
+         ptr<float>(L), ptr<float>(O_part), ptr<float>(L_part), mask(Q, K, causal), seqlens_k, G, scale * LOG2E);
+  const int64_t n_rows = int64_t(B) * H_q * N_q;  // one warp each, 4 per block
+  launch(flash_merge_splits<T, d>, dim3((n_rows + 3) / 4), 128, 0, stream, ptr<float>(O_part), ptr<float>(L_part),
+         rows<T>(O), ptr<float>(L), splits, n_rows, H_q, N_q);
+}
+#else
+;
+#endif
+
 #if defined(BUILD_fp32)
 // Block sizes: with B_r = B_c = 64, four forward blocks (two backward) share an SM of an H100 (three and
 // one on an A100); for d > 64 the key block (and the backward's query block) is halved so that three (two)
@@ -1622,12 +1890,13 @@ template <int d, int B_r = 64>
 void fwd_fp32(const at::Tensor& Q, const at::Tensor& K, const at::Tensor& V, at::Tensor& O, at::Tensor& L,
               bool causal, float scale, cudaStream_t stream) {
   constexpr int B_c = d <= 64 ? 64 : 32;
-  const int N = Q.size(2);
+  const int N_q = Q.size(2);
   const size_t smem = sizeof(float) * (B_r * (d + 4) + B_c * std::max(d + 4, B_r + 4) + B_c * d);
   if constexpr (B_r > 32)  // (each thread needs a multiple of 4 rows: B_r >= 32)
     if (smem > max_smem_per_block()) return fwd_fp32<d, B_r / 2>(Q, K, V, O, L, causal, scale, stream);
-  launch(flash_fwd_fp32<d, B_r, B_c>, grid((N + B_r - 1) / B_r, Q), 128, smem, stream, rows<const float>(Q),
-         rows<const float>(K), rows<const float>(V), rows<float>(O), ptr<float>(L), N, scale * LOG2E, causal);
+  launch(flash_fwd_fp32<d, B_r, B_c>, grid((N_q + B_r - 1) / B_r, Q), 128, smem, stream, rows<const float>(Q),
+         rows<const float>(K), rows<const float>(V), rows<float>(O), ptr<float>(L), mask(Q, K, causal), group(Q, K),
+         scale * LOG2E);
 }
 
 template <int d, int B_r = (d <= 64 ? 64 : 32)>
@@ -1635,14 +1904,14 @@ void bwd_fp32(const at::Tensor& Q, const at::Tensor& K, const at::Tensor& V, con
               const at::Tensor& L, const at::Tensor& D, at::Tensor& dQ, at::Tensor& dK, at::Tensor& dV,
               bool causal, float scale, cudaStream_t stream) {
   constexpr int B_c = d <= 64 ? 64 : 32;
-  const int N = Q.size(2);
+  const int N_k = K.size(2);
   const size_t smem = sizeof(float) * (2 * (B_r + B_c) * (d + 4) + 2 * B_r * (B_c + 4));
   if constexpr (B_r > 16)
     if (smem > max_smem_per_block())
       return bwd_fp32<d, B_r / 2>(Q, K, V, dO, L, D, dQ, dK, dV, causal, scale, stream);
-  launch(flash_bwd_fp32<d, B_r, B_c>, grid((N + B_c - 1) / B_c, Q), 128, smem, stream, rows<const float>(Q),
+  launch(flash_bwd_fp32<d, B_r, B_c>, grid((N_k + B_c - 1) / B_c, Q), 128, smem, stream, rows<const float>(Q),
          rows<const float>(K), rows<const float>(V), rows<const float>(dO), ptr<float>(L), ptr<float>(D),
-         ptr<float>(dQ), rows<float>(dK), rows<float>(dV), N, scale, causal);
+         ptr<float>(dQ), rows<float>(dK), rows<float>(dV), mask(Q, K, causal), group(Q, K), scale);
 }
 #define KERNEL "fp32"
 #define HAS_BACKWARD
@@ -1654,10 +1923,11 @@ template <int d>
 void fwd_volta(const at::Tensor& Q, const at::Tensor& K, const at::Tensor& V, at::Tensor& O, at::Tensor& L,
                bool causal, float scale, cudaStream_t stream) {
   constexpr int NW = 4, B_r = 16 * NW, B_c = 64;  // 26.5 KB (d = 64) or 42.5 KB (d = 128) of shared memory
-  const int N = Q.size(2);
+  const int N_q = Q.size(2);
   const size_t smem = sizeof(__half) * (2 * B_c * (d + 8) + NW * 16 * (B_c + 4));
-  launch(flash_fwd_volta<d, NW>, grid((N + B_r - 1) / B_r, Q), NW * 32, smem, stream, rows<const __half>(Q),
-         rows<const __half>(K), rows<const __half>(V), rows<__half>(O), ptr<float>(L), N, scale * LOG2E, causal);
+  launch(flash_fwd_volta<d, NW>, grid((N_q + B_r - 1) / B_r, Q), NW * 32, smem, stream, rows<const __half>(Q),
+         rows<const __half>(K), rows<const __half>(V), rows<__half>(O), ptr<float>(L), mask(Q, K, causal),
+         group(Q, K), scale * LOG2E);
 }
 #define KERNEL "volta"
 template <typename T, int d> constexpr auto fwd = fwd_volta<d>;
@@ -1667,10 +1937,11 @@ template <int d>
 void fwd_turing(const at::Tensor& Q, const at::Tensor& K, const at::Tensor& V, at::Tensor& O, at::Tensor& L,
                 bool causal, float scale, cudaStream_t stream) {
   constexpr int NW = 4, B_r = 16 * NW, B_c = d == 128 ? 32 : 64;  // 18 KB or 17 KB: 3 blocks per 64 KB SM
-  const int N = Q.size(2);
+  const int N_q = Q.size(2);
   const size_t smem = sizeof(__half) * 2 * B_c * (d + 8);
-  launch(flash_fwd_turing<d, NW, B_c>, grid((N + B_r - 1) / B_r, Q), NW * 32, smem, stream, rows<const __half>(Q),
-         rows<const __half>(K), rows<const __half>(V), rows<__half>(O), ptr<float>(L), N, scale * LOG2E, causal);
+  launch(flash_fwd_turing<d, NW, B_c>, grid((N_q + B_r - 1) / B_r, Q), NW * 32, smem, stream, rows<const __half>(Q),
+         rows<const __half>(K), rows<const __half>(V), rows<__half>(O), ptr<float>(L), mask(Q, K, causal),
+         group(Q, K), scale * LOG2E);
 }
 #define KERNEL "turing"
 template <typename T, int d> constexpr auto fwd = fwd_turing<d>;
@@ -1683,12 +1954,13 @@ void fwd_ampere(const at::Tensor& Q, const at::Tensor& K, const at::Tensor& V, a
   // these were faster than key blocks half that size. 255 registers (24 bytes spilled) let two
   // blocks share an SM.
   constexpr int NW = 4, B_r = 32 * NW;
-  const int N = Q.size(2);
+  const int N_q = Q.size(2);
   const size_t smem = sizeof(T) * (B_r + 4 * B_c) * (d + 8);
   if constexpr (d == 128 && B_c == 64)  // 102 KB: more than sm_86 and sm_89 give a block (99 KB), so B_c = 32 there
     if (smem > max_smem_per_block()) return fwd_ampere<T, d, B_c / 2>(Q, K, V, O, L, causal, scale, stream);
-  launch(flash_fwd_ampere<T, d, NW, B_c>, grid((N + B_r - 1) / B_r, Q), NW * 32, smem, stream, rows<const T>(Q),
-         rows<const T>(K), rows<const T>(V), rows<T>(O), ptr<float>(L), N, scale * LOG2E, causal);
+  launch(flash_fwd_ampere<T, d, NW, B_c>, grid((N_q + B_r - 1) / B_r, Q), NW * 32, smem, stream, rows<const T>(Q),
+         rows<const T>(K), rows<const T>(V), rows<T>(O), ptr<float>(L), mask(Q, K, causal), group(Q, K),
+         scale * LOG2E);
 }
 
 template <typename T, int d, int NW = 8, int B_r = d == 64 ? 128 : 64>
@@ -1699,16 +1971,16 @@ void bwd_ampere(const at::Tensor& Q, const at::Tensor& K, const at::Tensor& V, c
   // twice as many warps and dQ gets half as many atomic adds per FLOP. B_r = 128 (d = 64) or 64 (d = 128) as
   // FlashAttention-2 on sm_80 (255 registers, no spills).
   constexpr int B_c = 16 * NW;
-  const int N = Q.size(2);
+  const int N_k = K.size(2);
   const size_t smem = sizeof(T) * ((2 * B_c + 4 * B_r) * (d + 8) + B_c * (B_r + 8)) + sizeof(float) * 4 * B_r;
   if constexpr (NW == 8 && B_r == (d == 64 ? 128 : 64))  // 144 KB (d = 64) or 155 KB (d = 128)
     if (smem > max_smem_per_block()) {  // sm_86 and sm_89 give a block 99 KB: 91 KB and 73.5 KB tiles there
       if constexpr (d == 64) return bwd_ampere<T, d, 8, 64>(Q, K, V, dO, L, D, dQ, dK, dV, causal, scale, stream);
       else return bwd_ampere<T, d, 4, 32>(Q, K, V, dO, L, D, dQ, dK, dV, causal, scale, stream);
     }
-  launch(flash_bwd_ampere<T, d, B_r, NW>, grid((N + B_c - 1) / B_c, Q), NW * 32, smem, stream, rows<const T>(Q),
+  launch(flash_bwd_ampere<T, d, B_r, NW>, grid((N_k + B_c - 1) / B_c, Q), NW * 32, smem, stream, rows<const T>(Q),
          rows<const T>(K), rows<const T>(V), rows<const T>(dO), ptr<float>(L), ptr<float>(D), ptr<float>(dQ),
-         rows<T>(dK), rows<T>(dV), N, scale, causal);
+         rows<T>(dK), rows<T>(dV), mask(Q, K, causal), group(Q, K), scale);
 }
 #define KERNEL "ampere"
 #define HAS_BACKWARD
@@ -1746,12 +2018,12 @@ template <typename T, int d>
 void fwd_hopper(const at::Tensor& Q, const at::Tensor& K, const at::Tensor& V, at::Tensor& O, at::Tensor& L,
                 bool causal, float scale, cudaStream_t stream) {
   constexpr int NWG = 2, B_r = 64 * NWG, B_c = 128, STAGES = 3;  // 3 stages: the most that fit at d = 128
-  const int N = Q.size(2);
+  const int N_q = Q.size(2);
   // Q_i and STAGES stages of K_j, V_j, the mbarriers, and 1 KB of slack to align the tiles to 1024 bytes
   const size_t smem = sizeof(T) * (B_r + 2 * STAGES * B_c) * d + 8 * (1 + 2 * STAGES) + 1024;
-  launch(flash_fwd_hopper<T, d, NWG, B_c, STAGES>, grid((N + B_r - 1) / B_r, Q), 128 * (NWG + 1), smem, stream,
-         tensor_map(Q, B_r), tensor_map(K, B_c), tensor_map(V, B_c), rows<T>(O), ptr<float>(L), N, scale * LOG2E,
-         causal);
+  launch(flash_fwd_hopper<T, d, NWG, B_c, STAGES>, grid((N_q + B_r - 1) / B_r, Q), 128 * (NWG + 1), smem, stream,
+         tensor_map(Q, B_r), tensor_map(K, B_c), tensor_map(V, B_c), rows<T>(O), ptr<float>(L), mask(Q, K, causal),
+         group(Q, K), scale * LOG2E);
 }
 
 template <typename T, int d>
@@ -1761,14 +2033,14 @@ void bwd_hopper(const at::Tensor& Q, const at::Tensor& K, const at::Tensor& V, c
   // d = 64: a third stage of Q_i, dO_i was faster; at d = 128 it gained nothing, and would
   // take the shared memory to 226 KB.
   constexpr int B_r = 64, B_c = 128, STAGES = d == 64 ? 3 : 2;
-  const int N = Q.size(2);
+  const int N_k = K.size(2);
   // K_j, V_j; STAGES stages of Q_i, dO_i, L_i, D_i; two buffers of P_ij^T and dS_ij^T; the mbarriers; 1 KB of
   // slack to align the tiles to 1024 bytes
   const size_t smem = sizeof(T) * (2 * B_c * d + 2 * STAGES * B_r * d + 4 * B_c * B_r) + STAGES * 2 * B_r * 4 +
                       8 * (1 + 2 * STAGES) + 1024;
-  launch(flash_bwd_hopper<T, d, STAGES>, grid((N + B_c - 1) / B_c, Q), 384, smem, stream, tensor_map(Q, B_r),
+  launch(flash_bwd_hopper<T, d, STAGES>, grid((N_k + B_c - 1) / B_c, Q), 384, smem, stream, tensor_map(Q, B_r),
          tensor_map(K, B_c), tensor_map(V, B_c), tensor_map(dO, B_r), ptr<float>(L), ptr<float>(D), ptr<float>(dQ),
-         rows<T>(dK), rows<T>(dV), N, scale, causal);
+         rows<T>(dK), rows<T>(dV), mask(Q, K, causal), group(Q, K), scale);
 }
 #define KERNEL "hopper"
 #define HAS_BACKWARD
@@ -1814,21 +2086,30 @@ void with_type_and_head_dim(const at::Tensor& Q, F f) {
   TORCH_CHECK(false, "kernel '", KERNEL, "' takes ", SPEC.dtypes, ", got ", Q.scalar_type());
 }
 
-// O (B, H, N, d) in Q's layout where that layout is dense (a transposed view, say), else contiguous;
-// L (B, H, N) fp32.
+// Q (B, H_q, N_q, d), K and V (B, H_kv, N_k, d). O (B, H_q, N_q, d) in Q's layout where that layout is
+// dense (a transposed view, say), else contiguous; L (B, H_q, N_q) fp32. Kernels with split_kv decode
+// (flash_decode) when N_q <= SPLIT_KV_MAX_QUERIES, and only they take seqlens_k (int32 (B): each sequence's
+// number of keys, at most N_k).
 std::vector<at::Tensor> forward(const at::Tensor& Q, const at::Tensor& K, const at::Tensor& V, bool causal,
-                                double scale, int64_t stream) {
+                                double scale, const std::optional<at::Tensor>& seqlens_k, int64_t stream) {
   auto O = at::empty_like(Q);
   auto L = at::empty({Q.size(0), Q.size(1), Q.size(2)}, Q.options().dtype(at::kFloat));
+  const auto s = reinterpret_cast<cudaStream_t>(stream);
+  const int* lengths = seqlens_k ? seqlens_k->data_ptr<int>() : nullptr;
   with_type_and_head_dim(Q, [&]<typename T, int d>() {
-    fwd<T, d>(Q, K, V, O, L, causal, scale, reinterpret_cast<cudaStream_t>(stream));
+    if constexpr (SPEC.split_kv)
+      if (Q.size(2) <= SPLIT_KV_MAX_QUERIES) return decode<T, d>(Q, K, V, O, L, lengths, causal, scale, s);
+    TORCH_CHECK(!lengths, "kernel '", KERNEL, "' takes seqlens_k only for decoding (N_q <= ", SPLIT_KV_MAX_QUERIES,
+                ") on the kernels with split-KV");
+    fwd<T, d>(Q, K, V, O, L, causal, scale, s);
   });
   return {O, L};
 }
 
 #ifdef HAS_BACKWARD
-// dQ (B, H, N, d) fp32, contiguous: atomics add into it, and main.py converts it to Q's dtype. dK, dV in
-// K's and V's layouts where dense, else contiguous.
+// dQ (B, H_q, N_q, d) fp32, contiguous: atomics add into it, and main.py converts it to Q's dtype. dK, dV in
+// K's and V's layouts where dense, else contiguous; with grouped-query attention (H_kv < H_q) they are per
+// query head, (B, H_q, N_k, d), and main.py sums each group's.
 // dL: the gradient of L, if L was used: dS_ij = P_ij o (dP_ij - (D_i - dL_i)), so it joins D (main.py).
 std::vector<at::Tensor> backward(const at::Tensor& Q, const at::Tensor& K, const at::Tensor& V, const at::Tensor& O,
                                  const at::Tensor& L, const at::Tensor& dO, const std::optional<at::Tensor>& dL,
@@ -1836,7 +2117,11 @@ std::vector<at::Tensor> backward(const at::Tensor& Q, const at::Tensor& K, const
   const auto s = reinterpret_cast<cudaStream_t>(stream);
   auto D = at::empty_like(L);
   auto dQ = at::zeros(Q.sizes(), Q.options().dtype(at::kFloat));
-  auto dK = at::empty_like(K), dV = at::empty_like(V);
+  const bool grouped = Q.size(1) != K.size(1);
+  const auto per_query_head = [&](const at::Tensor& X) {
+    return grouped ? at::empty({X.size(0), Q.size(1), X.size(2), X.size(3)}, X.options()) : at::empty_like(X);
+  };
+  auto dK = per_query_head(K), dV = per_query_head(V);
   with_type_and_head_dim(Q, [&]<typename T, int d>() {
     launch_preprocess<T>(O, dO, D, s);
     if (dL) D.sub_(*dL);
@@ -1847,7 +2132,7 @@ std::vector<at::Tensor> backward(const at::Tensor& Q, const at::Tensor& K, const
 #endif
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("forward", &forward, "O, L = forward(Q, K, V, causal, scale, stream)");
+  m.def("forward", &forward, "O, L = forward(Q, K, V, causal, scale, seqlens_k, stream)");
 #ifdef HAS_BACKWARD  // (volta and turing: their gradients come from the fp32 kernel, on upcast inputs)
   m.def("backward", &backward, "dQ, dK, dV = backward(Q, K, V, O, L, dO, dL, causal, scale, stream)");
 #endif

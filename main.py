@@ -1,17 +1,22 @@
 """The Python side of flash.cu: build each kernel on first use, validate inputs, torch.library ops with
 autograd, and a self-check.
 
-    from main import flash_attention, list_kernels
-    o = flash_attention(q, k, v, causal=False, softmax_scale=None, kernel="auto")   # q, k, v: (B, H, N, d)
-    o, L = flash_attention(q, k, v, return_lse=True)                                 # L: (B, H, N), float32
+    from main import flash_attention, flash_attention_with_kvcache, list_kernels
+    o = flash_attention(q, k, v, causal=False, softmax_scale=None, kernel="auto")
+    o, L = flash_attention(q, k, v, return_lse=True)                 # L: (B, H_q, N_q), float32
+    o = flash_attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, k=k_new, v=v_new)   # generation
 
-q, k, v may be any views whose last dimension is contiguous, e.g. (B, N, H, d).transpose(1, 2) or slices
-of one packed qkv tensor: they are read in place. The forward and backward are the torch.library ops
-flash::forward and flash::backward, so torch.compile traces flash_attention without a graph break.
+q (B, H_q, N_q, d); k, v (B, H_kv, N_k, d) with H_q a multiple of H_kv (grouped-query attention; H_kv = 1:
+multi-query) and any N_k (cross-attention, a KV cache). Causal masking is aligned to the bottom right, as in
+FlashAttention: query i sees keys j <= i + N_k - N_q. q, k, v may be any views whose last dimension is
+contiguous, e.g. (B, N, H, d).transpose(1, 2) or slices of one packed qkv tensor: they are read in place.
+The forward and backward are the torch.library ops flash::forward and flash::backward, so torch.compile
+traces flash_attention without a graph break.
 
 `python main.py` builds the kernels for this GPU, checks every available kernel forward and backward
 against float64 and prints a table. Without a GPU it checks reference.py against dense attention instead.
 """
+import functools
 import importlib.util
 import math
 import os
@@ -33,17 +38,22 @@ def _kernel_table():
     text = open(os.path.join(ROOT, "flash.cu")).read()
     table = text[text.index("constexpr KernelSpec KERNELS[] = {"):]
     table = table[:table.index("};")]
-    row = r'\{"(\w+)", "([\w ]+)", \{([\d, ]+)\}, (\d+), (true|false), "(\w+)",\s*"([^"]*)"\}'
+    row = r'\{"(\w+)", "([\w ]+)", \{([\d, ]+)\}, (\d+), (true|false), (true|false), "(\w+)",\s*"([^"]*)"\}'
     return {name: dict(dtypes=tuple(dtypes.split()), head_dims=tuple(int(d) for d in dims.split(",")),
-                       min_arch=int(arch), sm90a=sm90a == "true", backward_kernel=backward, about=about)
-            for name, dtypes, dims, arch, sm90a, backward, about in re.findall(row, table)}
+                       min_arch=int(arch), sm90a=sm90a == "true", split_kv=split_kv == "true",
+                       backward_kernel=backward, about=about)
+            for name, dtypes, dims, arch, sm90a, split_kv, backward, about in re.findall(row, table)}
 
 
 KERNELS = _kernel_table()
+# Decoding: kernels with split_kv run N_q <= SPLIT_KV_MAX_QUERIES with flash_decode (flash.cu's constant)
+SPLIT_KV_MAX_QUERIES = int(re.search(r"constexpr int SPLIT_KV_MAX_QUERIES = (\d+);",
+                                     open(os.path.join(ROOT, "flash.cu")).read()).group(1))
 DTYPES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
 MAX_GRID = 65535  # H and B are the grid's y and z dimensions
 
 
+@functools.cache  # (the checks before each launch are a few microseconds, and decoding calls are short)
 def _arch(device=None):
     major, minor = torch.cuda.get_device_capability(device)
     return 10 * major + minor
@@ -62,16 +72,18 @@ def _gpus(kn):
 
 def list_kernels():
     """One dict per kernel: name, dtypes, backward (has a backward kernel of its own), backward_kernel,
-    head_dims, min_arch, sm90a (runs on sm_90 alone, from an sm_90a build), gpus (the GPUs in words),
-    available (runs on this GPU), about."""
+    head_dims, min_arch, sm90a (runs on sm_90 alone, from an sm_90a build), split_kv (decodes N_q <=
+    SPLIT_KV_MAX_QUERIES with a split-KV kernel), gpus (the GPUs in words), available (runs on this GPU),
+    about."""
     arch = _arch() if torch.cuda.is_available() else 0
     return [dict(name=name, dtypes=list(k["dtypes"]), backward=k["backward_kernel"] == name,
                  backward_kernel=k["backward_kernel"], head_dims=list(k["head_dims"]), min_arch=k["min_arch"],
-                 sm90a=k["sm90a"], gpus=_gpus(k), available=arch > 0 and _runs_on(k, arch, _builds_sm90a()),
-                 about=k["about"])
+                 sm90a=k["sm90a"], split_kv=k["split_kv"], gpus=_gpus(k),
+                 available=arch > 0 and _runs_on(k, arch, _builds_sm90a()), about=k["about"])
             for name, k in KERNELS.items()]
 
 
+@functools.cache
 def pick_kernel(dtype, d, arch, kernel="auto", sm90a=True):
     """The kernel that runs dtype ("float16", ...) with head dim d on sm_<arch>: for "auto" the most specialised
     that fits (float16: volta on sm_70, turing on sm_75, ampere from sm_80 on, hopper on sm_90), else the one
@@ -108,6 +120,7 @@ def _arch_list():
     return [a for a in arch_list.replace(",", ";").replace(" ", ";").split(";") if a]
 
 
+@functools.cache
 def _builds_sm90a():
     return "9.0a" in _arch_list()
 
@@ -170,17 +183,23 @@ def _stream(t):
     return torch.cuda.current_stream(t.device).cuda_stream
 
 
+def _run_forward(q, k, v, causal, scale, kernel, seqlens_k=None):
+    """O (B, H_q, N_q, d) and L (B, H_q, N_q), the row log-sum-exp in natural log, float32. seqlens_k (int32,
+    (B,)): each sequence's number of keys, for the split-KV kernels only (flash_attention_with_kvcache)."""
+    kernel = pick_kernel(DTYPES[q.dtype], q.shape[-1], _arch(q.device), kernel, _builds_sm90a())
+    if q.numel() == 0 or k.shape[2] == 0:  # (no keys: every row sees none, so O = 0 and L = -inf)
+        return torch.zeros_like(q), q.new_full(q.shape[:-1], -math.inf, dtype=torch.float32)
+    q, k, v = _readable(q), _readable(k), _readable(v)
+    with torch.cuda.device(q.device):
+        o, L = load(kernel).forward(q, k, v, causal, scale, seqlens_k, _stream(q))
+    return o, L
+
+
 @torch.library.custom_op("flash::forward", mutates_args=())
 def _forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float,
              kernel: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """O (B, H, N, d) and L (B, H, N), the row log-sum-exp in natural log, float32."""
-    kernel = pick_kernel(DTYPES[q.dtype], q.shape[-1], _arch(q.device), kernel, _builds_sm90a())
-    if q.numel() == 0:
-        return torch.empty_like(q), q.new_empty(q.shape[:-1], dtype=torch.float32)
-    q, k, v = _readable(q), _readable(k), _readable(v)
-    with torch.cuda.device(q.device):
-        o, L = load(kernel).forward(q, k, v, causal, scale, _stream(q))
-    return o, L
+    """_run_forward as an op: what torch.compile traces and autograd differentiates."""
+    return _run_forward(q, k, v, causal, scale, kernel)
 
 
 @_forward.register_fake
@@ -195,7 +214,7 @@ def _backward(do: torch.Tensor, dL: Optional[torch.Tensor], q: torch.Tensor, k: 
     """dQ, dK, dV for the loss sum(O * dO) + sum(L * dL) (dL may be None). A gradient through L changes only
     D_i: dL_i/dS_ij = P_ij, so dS_ij = P_ij o (dP_ij - D_i + dL_i), the kernels' own step with D_i - dL_i."""
     kernel = pick_kernel(DTYPES[q.dtype], q.shape[-1], _arch(q.device), kernel, _builds_sm90a())
-    if q.numel() == 0:
+    if q.numel() == 0 or k.numel() == 0:
         return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
     name, dtype = KERNELS[kernel]["backward_kernel"], q.dtype
     tensors = [_readable(t) for t in (q, k, v, o, do)]
@@ -204,6 +223,8 @@ def _backward(do: torch.Tensor, dL: Optional[torch.Tensor], q: torch.Tensor, k: 
     q_, k_, v_, o_, do_ = tensors
     with torch.cuda.device(q.device):
         dq, dk, dv = load(name).backward(q_, k_, v_, o_, L, do_, dL, causal, scale, _stream(q))
+    if dk.shape[1] != k.shape[1]:  # grouped-query attention: one dK, dV per query head, summed over each group
+        dk, dv = (x.unflatten(1, (k.shape[1], -1)).sum(2) for x in (dk, dv))
     return dq.to(dtype), dk.to(dtype), dv.to(dtype)
 
 
@@ -238,9 +259,14 @@ def _check_inputs(q, k, v, causal, softmax_scale, kernel, return_lse):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
         if t.dim() != 4:
             raise ValueError(f"{name} must have 4 dimensions (B, H, N, d), got shape {tuple(t.shape)}")
-    if not (q.shape == k.shape == v.shape):
-        raise ValueError(f"q, k, v must have the same shape (B, H, N, d), got {tuple(q.shape)}, "
-                         f"{tuple(k.shape)}, {tuple(v.shape)}")
+    if k.shape != v.shape:
+        raise ValueError(f"k and v must have the same shape (B, H_kv, N_k, d), got {tuple(k.shape)}, {tuple(v.shape)}")
+    if q.shape[0] != k.shape[0] or q.shape[3] != k.shape[3]:
+        raise ValueError(f"q (B, H_q, N_q, d) and k, v (B, H_kv, N_k, d) must have the same B and d, got "
+                         f"{tuple(q.shape)} and {tuple(k.shape)}")
+    if (k.shape[1] == 0 and q.shape[1] > 0) or (k.shape[1] > 0 and q.shape[1] % k.shape[1]):
+        raise ValueError(f"the query heads H_q must be a multiple of the key/value heads H_kv (grouped-query "
+                         f"attention), got H_q = {q.shape[1]}, H_kv = {k.shape[1]}")
     for name, t in (("q", q), ("k", k), ("v", v)):
         if t.dtype not in DTYPES:
             raise TypeError(f"{name} must be float32, float16 or bfloat16, got {t.dtype}")
@@ -267,16 +293,76 @@ def _check_inputs(q, k, v, causal, softmax_scale, kernel, return_lse):
 
 
 def flash_attention(q, k, v, causal=False, softmax_scale=None, kernel="auto", return_lse=False):
-    """softmax(q k^T * softmax_scale) v for q, k, v of shape (B, H, N, d), without an N x N matrix.
+    """softmax(q k^T * softmax_scale) v without an N_q x N_k matrix. q (B, H_q, N_q, d); k, v (B, H_kv, N_k, d),
+    where H_kv divides H_q: query head h reads key/value head h // (H_q / H_kv) (grouped-query attention).
 
-    causal: query n sees keys 0..n only. softmax_scale: default 1/sqrt(d). kernel: "auto" picks the best
-    for this dtype and GPU; a name from list_kernels() forces that kernel. return_lse: also return L
-    (B, H, N), float32, the natural-log log-sum-exp of each row of scores (FlashAttention's softmax_lse),
-    which lets partial results be merged (reference.merge). Differentiable, L included.
+    causal: aligned to the bottom right, as in FlashAttention: query i sees keys j <= i + N_k - N_q (for
+    N_q = N_k, keys 0..i); a query that sees no key (N_q > N_k) gets 0, and L = -inf. softmax_scale: default
+    1/sqrt(d). kernel: "auto" picks the best for this dtype and GPU; a name from list_kernels() forces that
+    kernel. return_lse: also return L (B, H_q, N_q), float32, the natural-log log-sum-exp of each row of
+    scores (FlashAttention's softmax_lse), which lets partial results be merged (reference.merge).
+    Differentiable, L included. On the split_kv kernels, N_q <= SPLIT_KV_MAX_QUERIES (decoding) runs a
+    split-KV kernel that spreads the keys over the GPU.
     """
     _check_inputs(q, k, v, causal, softmax_scale, kernel, return_lse)
     scale = 1.0 / math.sqrt(q.shape[-1]) if softmax_scale is None else float(softmax_scale)
-    o, L = _forward(q, k, v, causal, scale, kernel)
+    if torch.compiler.is_compiling() or (torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or
+                                                                      v.requires_grad)):
+        o, L = _forward(q, k, v, causal, scale, kernel)
+    else:  # inference, eagerly: the kernels without the op's dispatch, which costs as much as a decoding step
+        o, L = _run_forward(q, k, v, causal, scale, kernel)
+    return (o, L) if return_lse else o
+
+
+def flash_attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, k=None, v=None, causal=True,
+                                 softmax_scale=None, kernel="auto", return_lse=False):
+    """Attention of new tokens against a KV cache, for generation (inference: no gradients).
+
+    q (B, H_q, N_q, d): the new tokens' queries. k_cache, v_cache (B, H_kv, N_max, d): room for N_max tokens per
+    sequence, of which sequence b holds the first cache_seqlens[b] (an int, or an integer tensor (B,)). k, v
+    (B, H_kv, N_new, d), if given, are written into the caches in place at positions cache_seqlens[b] ..
+    cache_seqlens[b] + N_new - 1 first (cache_seqlens itself is not changed: add N_new for the next step). Each
+    sequence then attends over its own cache_seqlens[b] + N_new keys; with causal (the default) new token i
+    sees them up to itself (bottom right). Decoding (N_q <= SPLIT_KV_MAX_QUERIES on a split_kv kernel) reads
+    the lengths on the GPU; otherwise each sequence is one flash_attention call on a view of its cache.
+    """
+    if not isinstance(k_cache, torch.Tensor) or not isinstance(v_cache, torch.Tensor):
+        raise TypeError("k_cache and v_cache must be torch.Tensors")
+    _check_inputs(q, k_cache, v_cache, causal, softmax_scale, kernel, return_lse)
+    B, H_kv, N_max, d = k_cache.shape
+    if (k is None) != (v is None):
+        raise ValueError("give both k and v (the new tokens' keys and values), or neither")
+    N_new = 0
+    if k is not None:
+        _check_inputs(q, k, v, causal, softmax_scale, kernel, return_lse)
+        if k.shape[1] != H_kv or k.dtype != k_cache.dtype or k.device != k_cache.device:
+            raise ValueError(f"k, v must be (B, H_kv, N_new, d) = (B, {H_kv}, N_new, {d}) in the caches' dtype and "
+                             f"device, got {tuple(k.shape)}, {k.dtype}, {k.device}")
+        N_new = k.shape[2]
+    if isinstance(cache_seqlens, bool) or not isinstance(cache_seqlens, (int, torch.Tensor)):
+        raise TypeError(f"cache_seqlens must be an int or an integer tensor (B,), got {type(cache_seqlens).__name__}")
+    if isinstance(cache_seqlens, torch.Tensor) and (cache_seqlens.shape != (B,) or cache_seqlens.is_floating_point()
+                                                    or cache_seqlens.dtype == torch.bool):
+        raise ValueError(f"cache_seqlens must be an integer tensor of shape ({B},), got {cache_seqlens.dtype} "
+                         f"{tuple(cache_seqlens.shape)}")
+    seqlens = torch.as_tensor(cache_seqlens, device=q.device).to(torch.int32).expand(B).contiguous()
+    lengths = (seqlens + N_new).tolist()  # (one synchronisation: a bad length must raise, not fault on the GPU)
+    if min(lengths) < N_new or max(lengths) > N_max:
+        raise ValueError(f"cache_seqlens + N_new must lie in [N_new, N_max] = [{N_new}, {N_max}] for every sequence, "
+                         f"got cache_seqlens = {(seqlens).tolist()}, N_new = {N_new}")
+    if N_new:  # append: k_cache[b, :, seqlens[b] + n] = k[b, :, n]
+        positions = seqlens[:, None].long() + torch.arange(N_new, device=q.device)        # (B, N_new)
+        batch = torch.arange(B, device=q.device)[:, None]
+        k_cache[batch, :, positions] = k.transpose(1, 2)  # indexed as (B, N_new, H_kv, d)
+        v_cache[batch, :, positions] = v.transpose(1, 2)
+    scale = 1.0 / math.sqrt(d) if softmax_scale is None else float(softmax_scale)
+    kernel = pick_kernel(DTYPES[q.dtype], d, _arch(q.device), kernel, _builds_sm90a())
+    if KERNELS[kernel]["split_kv"] and q.shape[2] <= SPLIT_KV_MAX_QUERIES:
+        o, L = _run_forward(q, k_cache, v_cache, causal, scale, kernel, seqlens + N_new)
+    else:
+        parts = [_run_forward(q[b:b + 1], k_cache[b:b + 1, :, :n], v_cache[b:b + 1, :, :n], causal, scale, kernel)
+                 for b, n in enumerate(lengths)]
+        o, L = (torch.cat(x) for x in zip(*parts))
     return (o, L) if return_lse else o
 
 

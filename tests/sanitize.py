@@ -11,11 +11,12 @@ global memory nothing wrote). Needs a CUDA GPU and compute-sanitizer, which come
 The script builds flash.cu first, without a sanitizer, then runs itself once per tool with --case: every
 available kernel, dtype and head dim, forward and autograd backward, B = 1, H = 2, N in (1, 37, 130) (one
 row; one ragged block; several blocks and a ragged last one), causal and not (causal on transposed views,
-read through their strides). Racecheck, the slow one, uses
-N = 130 only. It prints one line per tool, the output tail of any tool that reported something, and exits
+read through their strides), and unequal lengths with grouped-query attention (SHAPES). Racecheck, the slow
+one, uses N = 130 only. It prints one line per tool, the output tail of any tool that reported something, and exits
 1 if any did. (pytest collects test_*.py only, so this file is not a test.)
 """
 import argparse
+import itertools
 import os
 import re
 import shutil
@@ -30,7 +31,8 @@ import main  # noqa: E402  (the repository root is not a package)
 
 TOOLS = ("memcheck", "racecheck", "synccheck", "initcheck")
 LENGTHS = "1,37,130"
-# Only our kernels (flash_fwd_*, flash_bwd_*) are instrumented, not PyTorch's. Not for initcheck: a write by
+SHAPES = [(1, 1100, 8, 2), (37, 130, 4, 2), (130, 37, 4, 1)]  # (N_q, N_k, H_q, H_kv)
+# Only our kernels (flash_fwd_*, flash_bwd_*, flash_decode, ...) are instrumented, not PyTorch's. Not for initcheck: a write by
 # a kernel it does not instrument would count as missing, and a PyTorch kernel zeroes dQ before ours add to it.
 ONLY_OURS = ["--kernel-name", "kns=flash_"]
 OPTIONS = {"memcheck": ONLY_OURS + ["--padding", "64"],  # a gap after each allocation, so overruns hit no tensor
@@ -59,6 +61,17 @@ def run_cases(lengths):
                         assert all(torch.isfinite(t).all() for t in (o, *grads)), \
                             f"non-finite output: {kn['name']} {dtype} d={d} N={N} causal={causal}"
                         cases += 1
+                # unequal lengths and grouped-query attention: N_q < N_k (at N_q = 1 the split-KV kernels split
+                # 1100 keys four ways), N_q > N_k (causal: the first queries see no key)
+                for (N_q, N_k, H_q, H_kv), causal in itertools.product(SHAPES, (False, True)):
+                    q, do = (torch.randn(1, H_q, N_q, d, device="cuda", dtype=getattr(torch, dtype)) for _ in range(2))
+                    k, v = (torch.randn(1, H_kv, N_k, d, device="cuda", dtype=getattr(torch, dtype)) for _ in range(2))
+                    q, k, v = (t.requires_grad_() for t in (q, k, v))
+                    o = main.flash_attention(q, k, v, causal=causal, kernel=kn["name"])
+                    grads = torch.autograd.grad(o, (q, k, v), do)
+                    assert all(torch.isfinite(t).all() for t in (o, *grads)), \
+                        f"non-finite output: {kn['name']} {dtype} d={d} N_q={N_q} N_k={N_k} causal={causal}"
+                    cases += 1
             covered.append(f"{kn['name']} {dtype} d={','.join(map(str, kn['head_dims']))}")
     torch.cuda.synchronize()
     print(f"cases: {cases} ({'; '.join(covered)})")  # the line the parent reads

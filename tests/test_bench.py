@@ -1,4 +1,5 @@
-"""Tests for bench.py. All but the last run on the CPU."""
+"""Tests for bench.py. All but the last two run on the CPU."""
+import argparse
 import itertools
 import json
 import re
@@ -83,6 +84,7 @@ def test_defaults_are_the_full_sweep():
     assert (args.modes, args.layout) == (["fwd", "bwd", "fwd_bwd"], ["contiguous"])
     assert (args.warmup, args.rep) == (25.0, 100.0)
     assert (args.batch, args.heads, args.out, args.markdown, args.plot_from) == (None,) * 5
+    assert not args.decode
     ours = [kernel["name"] for kernel in bench.list_kernels()]
     assert args.systems == ["manual", *ours, "sdpa", "sdpa-flash", "sdpa-efficient", "sdpa-cudnn", "sdpa-math"]
 
@@ -229,12 +231,197 @@ def test_the_benchmark_page_is_what_bench_py_writes_from_results_json(tmp_path):
     saved = json.loads((ROOT / "docs" / "benchmarks" / "results.json").read_text())
     assert all(list(row) == bench.ROW_FIELDS for row in saved["rows"])
     docs = tmp_path / "docs"
+    docs.mkdir()
+    (docs / "benchmarks.md").write_text(page)  # a decoding section on it stays: --decode writes that
     figures = bench.write_figures(docs / "benchmarks", saved["metadata"], saved["rows"])
     shipped = {path.name for path in (ROOT / "docs" / "benchmarks").glob("*.png")}
     assert {path.name for path in figures.values()} <= shipped
     bench.write_markdown(docs / "benchmarks.md", saved["metadata"], saved["rows"], figures,
                          docs / "benchmarks" / "results.json", command)
     assert (docs / "benchmarks.md").read_text() == page, f"docs/benchmarks.md is stale: run {command}"
+
+
+# ---------------------------------------------------------------- decoding
+
+def make_decode_row(system, status="ok", ms=None, **fields):
+    problem = dict(dtype="fp16", batch=8, heads=32, kv_heads=8, seqlen_k=4096)
+    return dict.fromkeys(bench.DECODE_ROW_FIELDS) | problem | dict(system=system, status=status, ms=ms, **fields)
+
+
+def test_decode_flags_and_their_defaults():
+    args = bench.parse_args(["--decode"])
+    assert args.decode
+    assert (args.decode_batch, args.decode_seqlens, args.decode_kv_heads) == ([1, 8, 32], [4096, 32768, 131072],
+                                                                              [32, 8])
+    assert args.dtype == ["fp16", "bf16"]  # fp32 only when asked for
+    split_kv = [kernel["name"] for kernel in bench.list_kernels() if kernel["split_kv"]]  # ours that decode
+    assert args.systems == [*split_kv, "sdpa", "sdpa-flash", "sdpa-cudnn", "manual"]  # manual last: the most memory
+    args = bench.parse_args(["--decode", "--dtype", "bf16,fp32", "--kernels", "manual,sdpa-cudnn,sdpa",
+                             "--decode-batch", "2,4", "--decode-seqlens", "1024", "--decode-kv-heads", "1,4,32",
+                             "--warmup", "1", "--rep", "5", "--out", "elsewhere", "--markdown", "page.md"])
+    assert (args.dtype, args.systems) == (["bf16", "fp32"], ["sdpa", "sdpa-cudnn", "manual"])
+    assert (args.decode_batch, args.decode_seqlens, args.decode_kv_heads) == ([2, 4], [1024], [1, 4, 32])
+    assert (args.warmup, args.rep, args.out, args.markdown) == (1.0, 5.0, Path("elsewhere"), Path("page.md"))
+
+
+@pytest.mark.parametrize("argv", [["--decode", "--decode-kv-heads", "32,5"],  # 5 does not divide H_q = 32
+                                  ["--decode", "--kernels", "sdpa-math"],  # not a decoding system
+                                  ["--decode", "--kernels", "volta"],  # no split-KV kernel
+                                  ["--decode-batch", "one"], ["--decode-seqlens", ","]])
+def test_bad_decode_arguments_are_refused(argv, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        bench.parse_args(argv)
+    assert exit_info.value.code == 2
+    assert "error" in capsys.readouterr().err
+
+
+def test_decode_bytes_and_bandwidth_by_hand():
+    # B=8, H_q=32, H_kv=8, N_k=4096, d=128, fp16: K and V 2*8*8*4096*128*2 = 134217728 bytes, q and o
+    # 2*8*32*128*2 = 131072 bytes; in 0.05 ms that is 2686.976 GB/s, 80.2% of 3.35 TB/s.
+    assert bench.decode_bytes(make_decode_row("ampere")) == 134_348_800
+    assert bench.decode_bytes(make_decode_row("ampere", dtype="bf16")) == 134_348_800
+    assert bench.decode_bytes(make_decode_row("ampere", dtype="fp32")) == 2 * 134_348_800
+    rows = [make_decode_row("ampere", ms=0.05), make_decode_row("sdpa", ms=0.1), make_decode_row("manual", "OOM")]
+    ampere, sdpa, manual = bench.add_bandwidth(rows, peak=3.35)
+    assert ampere["gbps"] == pytest.approx(2686.976) and sdpa["gbps"] == pytest.approx(1343.488)
+    assert ampere["pct_hbm"] == pytest.approx(80.208, abs=1e-3)
+    assert (ampere["vs_sdpa"], sdpa["vs_sdpa"]) == (2.0, 1.0)  # sdpa's time over the row's
+    assert manual["gbps"] is manual["pct_hbm"] is manual["vs_sdpa"] is None
+    (alone,) = bench.add_bandwidth([make_decode_row("hopper", ms=0.05)], peak=None)  # no sdpa row, unknown GPU
+    assert alone["gbps"] == pytest.approx(2686.976) and alone["pct_hbm"] is alone["vs_sdpa"] is None
+
+
+@pytest.mark.parametrize("name, tbps", [
+    ("NVIDIA H100 80GB HBM3", 3.35),  # SXM
+    ("NVIDIA H100 PCIe", 2.0),
+    ("NVIDIA H100 NVL", 3.9),
+    ("NVIDIA H200", 4.8),
+    ("NVIDIA A100-SXM4-80GB", 2.0),
+    ("NVIDIA A100 80GB PCIe", 2.0),
+    ("NVIDIA A100-SXM4-40GB", 1.555),
+    ("NVIDIA A100-PCIE-40GB", 1.555),
+    ("NVIDIA A10G", None),
+    ("Some Future GPU", None),
+])
+def test_peak_bandwidth_lookup(name, tbps):
+    assert bench.peak_bandwidth(name) == tbps
+
+
+def test_decode_memory_counts_the_cache_and_the_reference_of_one_batch_element():
+    problem = {"dtype": "fp16", "batch": 32, "heads": 32, "kv_heads": 32, "seqlen_k": 131072}
+    # 64 GiB of cache, 0.5 MiB of q and o, and one batch element's K and V in float32: 2*32*131072*128*4 = 4 GiB
+    assert bench.decode_memory(problem) == 64 * 2**30 + 2**19 + 4 * 2**30
+    # GQA: a quarter of the cache, and reference.py's float32 K and V expanded to 32 heads besides the 8
+    assert bench.decode_memory(problem | {"kv_heads": 8}) == 16 * 2**30 + 2**19 + 5 * 2**30
+
+
+def test_decode_reference_and_sdpa_agree_on_grouped_query_attention():
+    generator = torch.Generator().manual_seed(0)
+    q = torch.randn(3, 8, 1, 16, generator=generator, dtype=torch.float64)
+    k, v = (torch.randn(3, 2, 50, 16, generator=generator, dtype=torch.float64) for _ in range(2))
+    expected = reference.attention(q, k.repeat_interleave(4, dim=1), v.repeat_interleave(4, dim=1), False, 0.25)
+    out = bench.decode_reference(q, k, v, 0.25)  # a batch element at a time, in float32
+    assert out.dtype == torch.float32 and out.shape == (3, 8, 1, 16)
+    torch.testing.assert_close(out, expected.float(), rtol=1e-5, atol=1e-5)
+    sdpa = bench.attention_fn("sdpa", False, 0.25)(q, k, v)  # enable_gqa, as H_kv < H_q
+    torch.testing.assert_close(sdpa, expected)
+
+
+def test_a_problem_that_does_not_fit_gives_oom_rows_without_allocating(monkeypatch):
+    def allocate(*args, **kwargs):
+        raise AssertionError("allocated although the problem does not fit")
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda: (40 * 2**30, 80 * 2**30))
+    monkeypatch.setattr(torch, "randn", allocate)
+    monkeypatch.setattr(torch, "Generator", allocate)
+    kernels = {"volta": dict(available=True, dtypes=["float16"], head_dims=[64, 128]),
+               "ampere": dict(available=True, dtypes=["float16", "bfloat16"], head_dims=[64, 128]),
+               "hopper": dict(available=False, dtypes=["float16", "bfloat16"], head_dims=[64, 128])}
+    args = argparse.Namespace(systems=["volta", "ampere", "hopper", "sdpa", "manual"])
+    problem = {"dtype": "bf16", "batch": 32, "heads": 32, "kv_heads": 32, "seqlen_k": 131072}
+    rows = list(bench.bench_decode_problem(problem, kernels, args, peak=3.35))
+    assert [row["system"] for row in rows] == ["ampere", "sdpa", "manual"]  # ours that run bf16 on this GPU
+    assert all(list(row) == bench.DECODE_ROW_FIELDS for row in rows)
+    for row in rows:
+        assert (row["status"], row["note"], row["ms"]) == ("OOM", "needs 68.0 GiB, 40.0 GiB free", None)
+        assert (row["batch"], row["kv_heads"], row["seqlen_k"]) == (32, 32, 131072)
+
+
+SECTION = bench.DECODE_TITLE + "\n\nnew tables\n"
+
+
+@pytest.mark.parametrize("page, expected", [
+    # in the middle: its ### subsections go with it, the next ## heading and all after it stay
+    ("# Benchmarks\n\nintro\n\n" + bench.DECODE_TITLE + "\n\nold\n\n### fp16\n\nold table\n\n## fwd, fp16\n\nrest\n",
+     "# Benchmarks\n\nintro\n\n" + SECTION + "\n## fwd, fp16\n\nrest\n"),
+    ("# Benchmarks\n\nintro\n\n" + bench.DECODE_TITLE + "\n\nold\n", "# Benchmarks\n\nintro\n\n" + SECTION),
+    ("# Benchmarks\n\nintro\n", "# Benchmarks\n\nintro\n\n" + SECTION),  # none yet: appended
+    ("# Benchmarks\n\nintro", "# Benchmarks\n\nintro\n\n" + SECTION),
+    ("", SECTION),
+])
+def test_replace_section_changes_only_the_decoding_section(page, expected):
+    assert bench.replace_section(page, SECTION) == expected
+    assert bench.replace_section(expected, SECTION) == expected
+
+
+def sample_decode_results():
+    """A small, made-up decode.json: two dtypes, with OOM, unsupported and MISMATCH rows."""
+    metadata = {"gpu": "NVIDIA H100 80GB HBM3", "compute_capability": "sm_90", "torch": "2.11.0", "cuda": "12.8",
+                "python": "3.11.7", "timer": "triton 3.5.0 do_bench", "shapes": "H_q=32, d=128, N_q=1",
+                "date": "2026-01-02T03:04:05+00:00", "command": "python bench.py --decode --out docs/benchmarks",
+                "sweep": "decode"}
+    rows = []
+    for dtype, batch, seqlen_k, kv_heads in itertools.product(("fp16", "bf16"), (1, 8), (4096, 32768), (32, 8)):
+        fields = dict(dtype=dtype, batch=batch, seqlen_k=seqlen_k, kv_heads=kv_heads)
+        ms = bench.decode_bytes(make_decode_row("", **fields)) / 2.5e9  # 2.5 TB/s
+        group = [make_decode_row("ampere", ms=ms, **fields), make_decode_row("sdpa", ms=1.5 * ms, **fields),
+                 make_decode_row("sdpa-flash", ms=1.4 * ms, **fields),
+                 make_decode_row("sdpa-cudnn", "unsupported", note="RuntimeError: no", **fields),
+                 make_decode_row("manual", ms=6 * ms, **fields)]
+        if (batch, seqlen_k) == (8, 32768):
+            group[-1].update(status="OOM", ms=None)
+        if (dtype, batch, seqlen_k, kv_heads) == ("bf16", 1, 4096, 8):
+            group[2].update(status="MISMATCH", ms=None, max_error=0.7, note="max error 7e-01 > 4e-01")
+        rows += bench.add_bandwidth(group, peak=3.35)
+    return metadata, rows
+
+
+def test_plot_from_a_decode_file_replaces_only_the_decoding_section(tmp_path, capsys):
+    metadata, rows = sample_decode_results()
+    results = tmp_path / "docs" / "benchmarks" / "decode.json"
+    results.parent.mkdir(parents=True)
+    results.write_text(json.dumps({"metadata": metadata, "rows": rows}))
+    markdown = tmp_path / "docs" / "benchmarks.md"
+    before, after = "# Benchmarks\n\nThe prefill sweep's page.\n\n", "\n\n## fwd, fp16, d=64, causal\n\nits table\n"
+    markdown.write_text(before + bench.DECODE_TITLE + "\n\nold numbers" + after)
+    assert bench.cli(["--plot-from", str(results), "--markdown", str(markdown)]) == 2  # the MISMATCH row
+    figure = results.parent / "decode.png"  # beside the results file, as no --out was given
+    assert figure.read_bytes().startswith(b"\x89PNG") and figure.stat().st_size > 10_000
+    page = markdown.read_text()
+    assert page.startswith(before + bench.DECODE_TITLE + "\n") and page.endswith(after)
+    section = page[len(before):-len(after)]
+    assert "old numbers" not in section and section.count("\n## ") == 0
+    assert "### fp16" in section and "### bf16" in section
+    assert section.count("|   B | H_q | H_kv |    N_k |     system |      status |") == 2  # a table per dtype
+    assert metadata["command"] in section and f"--plot-from {results}" in section  # how measured, how written
+    assert "NVIDIA H100 80GB HBM3" in section and "Bandwidth is the limit" in section and "3.35 TB/s" in section
+    assert "![decoding](benchmarks/decode.png)" in section
+    assert "[benchmarks/decode.json](benchmarks/decode.json)" in section
+    assert re.search(r"\| +8 \| +32 \| +8 \| +32768 \| +manual \| +OOM \|", section)
+    assert re.search(r"\| +1 \| +32 \| +32 \| +4096 \| +ampere \| +ok \| .* \| +1\.50x \|", section)
+    out = capsys.readouterr().out
+    assert "!! MISMATCH: sdpa-flash, decoding, bf16, B=1, H_kv=8, N_k=4096: max error 7e-01 > 4e-01" in out
+
+
+def test_the_prefill_page_keeps_its_decoding_section(tmp_path):
+    metadata, rows = sample_results()
+    markdown = tmp_path / "benchmarks.md"
+    markdown.write_text("# Old page\n\n" + SECTION)
+    figures = bench.write_figures(tmp_path / "benchmarks", metadata, rows)
+    bench.write_markdown(markdown, metadata, rows, figures, tmp_path / "benchmarks" / "results.json",
+                         metadata["command"])
+    page = markdown.read_text()
+    assert page.startswith("# Benchmarks\n") and "# Old page" not in page
+    assert page.endswith("\n\n" + SECTION) and page.count(bench.DECODE_TITLE) == 1
 
 
 # ---------------------------------------------------------------- whole program
@@ -273,3 +460,22 @@ def test_quick_run_on_the_gpu(tmp_path):
     assert all(row["speedup"] is not None and row["vs_sdpa"] is not None for row in timed)
     assert len(list(tmp_path.glob("*.png"))) == 4
     assert "transposed" in markdown.read_text()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_decode_run_on_the_gpu(tmp_path):
+    markdown = tmp_path / "benchmarks.md"
+    result = run_bench("--decode", "--decode-batch", "2", "--decode-seqlens", "4096", "--warmup", "5", "--rep", "20",
+                       "--out", str(tmp_path), "--markdown", str(markdown), timeout=900)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    rows = json.loads((tmp_path / "decode.json").read_text())["rows"]
+    assert {row["status"] for row in rows} <= {"ok", "unsupported"}
+    assert {(row["dtype"], row["kv_heads"]) for row in rows} == set(itertools.product(("fp16", "bf16"), (32, 8)))
+    ours = {k["name"] for k in bench.list_kernels() if k["available"] and k["split_kv"] and "float16" in k["dtypes"]
+            and 128 in k["head_dims"]}
+    for kv_heads in (32, 8):  # grouped-query attention included
+        systems = {row["system"] for row in rows if row["status"] == "ok" and (row["dtype"], row["kv_heads"]) == (
+            "fp16", kv_heads)}
+        assert {"sdpa", "manual"} | ours <= systems
+    assert all(row["gbps"] > 0 and row["vs_sdpa"] > 0 for row in rows if row["status"] == "ok")
+    assert (tmp_path / "decode.png").is_file() and bench.DECODE_TITLE in markdown.read_text()

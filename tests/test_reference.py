@@ -57,3 +57,41 @@ def test_merging_two_halves_of_the_keys_by_L_equals_the_whole(split):
     o_all, L_all = reference.flash_forward(q, k, v, B_r=16, B_c=16)
     torch.testing.assert_close(o, o_all, rtol=1e-12, atol=1e-12)
     torch.testing.assert_close(L, L_all, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("H_q, H_kv", [(4, 4), (4, 2), (4, 1)])
+@pytest.mark.parametrize("N_q, N_k", [(1, 50), (7, 13), (13, 7), (50, 1)])
+def test_unequal_lengths_and_groups_match_dense(N_q, N_k, H_q, H_kv, causal):
+    g = torch.Generator().manual_seed(N_q * 100 + N_k + H_kv)
+    q, do = (torch.randn(2, H_q, N_q, 16, generator=g, dtype=torch.float64) for _ in range(2))
+    k, v = (torch.randn(2, H_kv, N_k, 16, generator=g, dtype=torch.float64) for _ in range(2))
+    qg, kg, vg = (t.clone().requires_grad_() for t in (q, k, v))
+    o_ref = reference.attention(qg, kg, vg, causal)
+    grads_ref = torch.autograd.grad(o_ref, (qg, kg, vg), do)
+    # dense L: bottom-right causal, query i sees keys j <= i + N_k - N_q; a row that sees none has L = -inf
+    S = q @ k.repeat_interleave(H_q // H_kv, dim=1).transpose(-1, -2) / 4
+    if causal:
+        S = S.masked_fill(torch.ones(N_q, N_k, dtype=torch.bool).tril(N_k - N_q).logical_not(), float("-inf"))
+    L_ref = torch.logsumexp(S, dim=-1)
+
+    o, L = reference.flash_forward(q, k, v, causal, B_r=4, B_c=6)
+    grads = reference.flash_backward(q, k, v, o, L, do, causal, B_r=4, B_c=6)
+    assert torch.equal(L.isinf(), L_ref.isinf()) and (not causal or N_q <= N_k or L.isinf().any())
+    assert (o[L.isinf()] == 0).all(), "a query that sees no key must get O = 0"
+    for name, x, ref in [("O", o, o_ref), ("L", L, L_ref), *zip(["dQ", "dK", "dV"], grads, grads_ref)]:
+        assert x.shape == ref.shape, f"{name}: shape {tuple(x.shape)}, expected {tuple(ref.shape)}"
+        torch.testing.assert_close(x, ref, rtol=1e-10, atol=1e-10, msg=lambda m: f"{name}: {m}")
+
+
+@pytest.mark.parametrize("splits", [1, 2, 5, 40])
+def test_split_kv_equals_one_pass(splits):
+    # 40 splits of 12 key blocks: most splits are empty, and their L = -inf parts must weigh nothing
+    g = torch.Generator().manual_seed(splits)
+    q = torch.randn(2, 4, 3, 16, generator=g, dtype=torch.float64)
+    k, v = (torch.randn(2, 2, 70, 16, generator=g, dtype=torch.float64) for _ in range(2))
+    for causal in (False, True):
+        o, L = reference.flash_decode(q, k, v, causal, splits=splits, B_c=6)
+        o_ref, L_ref = reference.flash_forward(q, k, v, causal, B_c=6)
+        torch.testing.assert_close(o, o_ref, rtol=1e-12, atol=1e-12)
+        torch.testing.assert_close(L, L_ref, rtol=1e-12, atol=1e-12)

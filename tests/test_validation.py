@@ -19,7 +19,10 @@ def qkv(shape=(1, 2, 8, 64), dtype=torch.float32, device="cpu"):
 @pytest.mark.parametrize("make, error, words", [
     (lambda: ([[1.0]], *qkv()[1:]), TypeError, "q must be a torch.Tensor"),
     (lambda: qkv((2, 8, 64)), ValueError, "4 dimensions (B, H, N, d)"),
-    (lambda: (*qkv()[:2], torch.randn(1, 2, 9, 64)), ValueError, "same shape"),
+    (lambda: (*qkv()[:2], torch.randn(1, 2, 9, 64)), ValueError, "k and v must have the same shape"),
+    (lambda: (torch.randn(2, 2, 8, 64), *qkv()[1:]), ValueError, "must have the same B and d"),
+    (lambda: (torch.randn(1, 2, 8, 32), *qkv()[1:]), ValueError, "must have the same B and d"),
+    (lambda: (torch.randn(1, 3, 8, 64), *qkv()[1:]), ValueError, "H_q must be a multiple of the key/value heads"),
     (lambda: qkv(dtype=torch.float64), TypeError, "float32, float16 or bfloat16, got torch.float64"),
     (lambda: [torch.ones(1, 2, 8, 64, dtype=torch.int32)] * 3, TypeError, "got torch.int32"),
     (lambda: (*qkv()[:2], torch.randn(1, 2, 8, 64).half()), TypeError, "one dtype"),
@@ -121,3 +124,18 @@ def test_fake_implementations(dtype, layout):
     dq, dk, dv = torch.ops.flash.backward(torch.empty_like(o), None, q, k, v, o, L, True, 0.125, "auto")
     assert dq.shape == dk.shape == dv.shape == q.shape and dq.dtype == dk.dtype == dv.dtype == dtype
     assert dk.stride() == k.stride() and dv.stride() == v.stride() and dq.is_contiguous()
+
+
+def test_fake_implementations_with_unequal_lengths_and_groups():
+    q = torch.empty(2, 8, 5, 64, dtype=torch.float16, device="meta")
+    k, v = (torch.empty(2, 2, 300, 64, dtype=torch.float16, device="meta") for _ in range(2))
+    o, L = torch.ops.flash.forward(q, k, v, True, 0.125, "auto")
+    assert o.shape == q.shape and L.shape == (2, 8, 5)
+    dq, dk, dv = torch.ops.flash.backward(torch.empty_like(o), None, q, k, v, o, L, True, 0.125, "auto")
+    assert dq.shape == q.shape and dk.shape == dv.shape == k.shape
+
+
+def test_kvcache_checks_its_inputs_too():
+    q, k_cache, v_cache = torch.randn(1, 2, 1, 64), torch.randn(1, 2, 16, 64), torch.randn(1, 2, 16, 64)
+    with pytest.raises(ValueError, match="must be a CUDA tensor"):
+        main.flash_attention_with_kvcache(q, k_cache, v_cache, 3)

@@ -1,0 +1,200 @@
+"""Unequal lengths, grouped-query attention, decoding (split-KV) and the KV-cache entry point, on every kernel.
+
+q (B, H_q, N_q, d) against k, v (B, H_kv, N_k, d): N_q != N_k both ways, N_q = 1, ragged lengths, H_q / H_kv in
+{1, 4, 8}, causal aligned to the bottom right (query i sees keys j <= i + N_k - N_q), gradients included.
+Errors follow test_kernels.py's rule: at most 3x the error of PyTorch's SDPA in the same dtype (given the
+same bottom-right mask and the keys and values repeated per query head), plus a small floor. Skipped,
+visibly, without a CUDA GPU.
+"""
+import math
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import reference
+from main import flash_attention, flash_attention_with_kvcache, list_kernels, outputs, rel_err
+from test_kernels import DTYPES, FLOOR  # tests/ is on sys.path under pytest
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+CASES = [(k["name"], dtype) for k in list_kernels() if k["available"] for dtype in k["dtypes"]]
+SPLIT_KV = [(name, dtype) for name, dtype in CASES if next(k for k in list_kernels() if k["name"] == name)["split_kv"]]
+
+
+def bottom_right(N_q, N_k, device="cuda"):
+    """True where query i may see key j: j <= i + N_k - N_q (SDPA's attn_mask convention)."""
+    return torch.ones(N_q, N_k, dtype=torch.bool, device=device).tril(N_k - N_q)
+
+
+def sdpa(causal):
+    """SDPA with our semantics: keys and values repeated per query head, the bottom-right mask, and 0 for
+    rows that see no key (where SDPA's softmax may give NaN)."""
+    def attention(q, k, v):
+        k, v = (x.repeat_interleave(q.shape[1] // k.shape[1], dim=1) for x in (k, v))
+        mask = bottom_right(q.shape[2], k.shape[2]) if causal else None
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask).nan_to_num(0.0)
+    return attention
+
+
+def check(kernel, q, k, v, do, causal):
+    """O, L and the three gradients against float64; the errors against SDPA's in the same dtype."""
+    exact = outputs(lambda q, k, v: reference.attention(q, k, v, causal), *(t.double() for t in (q, k, v, do)))
+    ours = outputs(lambda q, k, v: flash_attention(q, k, v, causal=causal, kernel=kernel), q, k, v, do)
+    theirs = [x.nan_to_num(0.0) for x in outputs(sdpa(causal), q, k, v, do)]
+    where = f"kernel={kernel}, q {tuple(q.shape)}, k {tuple(k.shape)}, causal={causal}"
+    for name, x, s, r in zip(["O", "dQ", "dK", "dV"], ours, theirs, exact):
+        assert x.shape == r.shape and x.dtype == q.dtype, f"{name}: shape {tuple(x.shape)} dtype {x.dtype} ({where})"
+        assert torch.isfinite(x).all(), f"{name} has non-finite values ({where})"
+        if not r.any():  # exactly 0 in float64 (one key per query: dQ = dK = 0); see test_kernels.check
+            assert x.abs().max() <= FLOOR[q.dtype] * q.shape[-1], f"{name}: {x.abs().max():.1e} where 0 ({where})"
+            continue
+        err, err_sdpa = rel_err(x, r), rel_err(s, r)
+        assert err <= 3 * err_sdpa + FLOOR[q.dtype], f"{name}: error {err:.2e} vs SDPA's {err_sdpa:.2e} ({where})"
+    # L: the natural-log row log-sum-exp, -inf exactly where a query sees no key
+    _, L = flash_attention(q, k, v, causal=causal, kernel=kernel, return_lse=True)
+    S = q.double() @ k.double().repeat_interleave(q.shape[1] // k.shape[1], dim=1).transpose(-1, -2) / math.sqrt(q.shape[-1])
+    L_exact = torch.logsumexp(S.masked_fill(~bottom_right(*S.shape[-2:]), -math.inf) if causal else S, dim=-1)
+    assert torch.equal(L.isinf(), L_exact.isinf()), f"L is -inf in the wrong rows ({where})"
+    seen = L_exact.isfinite()
+    assert (L[seen] - L_exact[seen]).abs().max() < 1e-2, f"L: error {(L[seen] - L_exact[seen]).abs().max():.1e} ({where})"
+    assert (ours[0][~seen] == 0).all(), f"O is not 0 where a query sees no key ({where})"
+
+
+# N_q < N_k (a KV cache; decoding at N_q = 1 and 16), N_q > N_k (causal: the first N_q - N_k queries see no
+# key), ragged everywhere
+LENGTHS = [(1, 1), (1, 300), (16, 1000), (7, 200), (200, 7), (65, 129), (129, 65)]
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("H_kv", [8, 2, 1])
+@pytest.mark.parametrize("N_q, N_k", LENGTHS)
+@pytest.mark.parametrize("kernel, dtype", CASES)
+def test_unequal_lengths_and_groups(kernel, dtype, N_q, N_k, H_kv, causal):
+    torch.manual_seed(N_q * 1000 + N_k + H_kv)
+    q, do = (torch.randn(2, 8, N_q, 64, device="cuda", dtype=DTYPES[dtype]) for _ in range(2))
+    k, v = (torch.randn(2, H_kv, N_k, 64, device="cuda", dtype=DTYPES[dtype]) for _ in range(2))
+    check(kernel, q, k, v, do, causal)
+
+
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("kernel, dtype", SPLIT_KV)
+def test_decoding_splits_the_keys(kernel, dtype, d):
+    """One query per head against long caches: B * H_kv blocks are few, so the keys are split over many
+    (up to T_c / 4 = 78 splits at N_k = 5000), then merged by L; GQA packs a group's heads into the rows."""
+    torch.manual_seed(d)
+    for B, H_q, H_kv, N_q, N_k in [(1, 8, 1, 1, 5000), (1, 32, 8, 1, 5000), (3, 4, 4, 1, 4099), (1, 8, 2, 3, 2000),
+                                   (2, 32, 1, 1, 777)]:
+        q, do = (torch.randn(B, H_q, N_q, d, device="cuda", dtype=DTYPES[dtype]) for _ in range(2))
+        k, v = (torch.randn(B, H_kv, N_k, d, device="cuda", dtype=DTYPES[dtype]) for _ in range(2))
+        for causal in (False, True):
+            check(kernel, q, k, v, do, causal)
+
+
+def cache_problem(kernel, dtype, B=3, H_q=8, H_kv=2, N_max=300, N_new=1, d=64):
+    g = torch.Generator(device="cuda").manual_seed(N_new)
+    make = lambda *shape: torch.randn(*shape, device="cuda", dtype=DTYPES[dtype], generator=g)  # noqa: E731
+    return make(B, H_q, N_new, d), make(B, H_kv, N_max, d), make(B, H_kv, N_max, d), make(B, H_kv, N_new, d), \
+        make(B, H_kv, N_new, d)
+
+
+@pytest.mark.parametrize("N_new", [1, 5, 40])
+@pytest.mark.parametrize("kernel, dtype", CASES)
+def test_kvcache_appends_and_attends_per_sequence(kernel, dtype, N_new):
+    """Ragged caches (0, 17 and 250 tokens): the new keys and values land at each sequence's own position, and
+    each sequence attends over its own prefix, bottom-right causal."""
+    q, k_cache, v_cache, k, v = cache_problem(kernel, dtype, N_new=N_new)
+    before = k_cache.clone()
+    seqlens = torch.tensor([0, 17, 250], device="cuda", dtype=torch.int32)
+    o, L = flash_attention_with_kvcache(q, k_cache, v_cache, seqlens, k=k, v=v, kernel=kernel, return_lse=True)
+    for b, n in enumerate(seqlens.tolist()):
+        assert torch.equal(k_cache[b, :, n:n + N_new], k[b]) and torch.equal(v_cache[b, :, n:n + N_new], v[b])
+        assert torch.equal(k_cache[b, :, :n], before[b, :, :n]) and torch.equal(k_cache[b, :, n + N_new:],
+                                                                                before[b, :, n + N_new:])
+        exact = reference.attention(q[b:b + 1].double(), k_cache[b:b + 1, :, :n + N_new].double(),
+                                    v_cache[b:b + 1, :, :n + N_new].double(), causal=True)
+        tolerance = 2e-2 if dtype == "bfloat16" else 3e-3
+        assert rel_err(o[b:b + 1], exact) < tolerance, f"sequence {b}: error {rel_err(o[b:b + 1], exact):.1e}"
+        assert torch.isfinite(L[b]).all()
+    assert torch.equal(seqlens.cpu(), torch.tensor([0, 17, 250], dtype=torch.int32)), "cache_seqlens was changed"
+
+
+def test_kvcache_bad_inputs():
+    q, k_cache, v_cache, k, v = cache_problem("auto", "float16", N_new=4)
+    for args, kwargs, words in [((3,), dict(k=k), "give both k and v"),
+                                ((298,), dict(k=k, v=v), "cache_seqlens + N_new must lie in"),
+                                ((torch.zeros(2, dtype=torch.int32, device="cuda"),), {}, "integer tensor of shape (3,)"),
+                                ((1.5,), {}, "cache_seqlens must be an int"),
+                                ((0,), dict(k=k[:, :1], v=v[:, :1]), "k, v must be (B, H_kv, N_new, d)")]:
+        with pytest.raises((ValueError, TypeError)) as info:
+            flash_attention_with_kvcache(q, k_cache, v_cache, *args, **kwargs)
+        assert words in str(info.value)
+
+
+class TinyGPT(nn.Module):
+    """A nanoGPT-style decoder with grouped-query attention (8 query heads, 2 key/value heads, d = 64), whose
+    attention is either SDPA over the whole prefix or flash_attention_with_kvcache over a cache."""
+
+    def __init__(self, vocab=97, width=512, H_q=8, H_kv=2, layers=2, N_max=64):
+        super().__init__()
+        self.H_q, self.H_kv, self.d = H_q, H_kv, width // H_q
+        self.embed, self.position = nn.Embedding(vocab, width), nn.Embedding(N_max, width)
+        self.blocks = nn.ModuleList(nn.ModuleDict(dict(
+            norm1=nn.LayerNorm(width), qkv=nn.Linear(width, (H_q + 2 * H_kv) * self.d), proj=nn.Linear(width, width),
+            norm2=nn.LayerNorm(width), mlp=nn.Sequential(nn.Linear(width, 4 * width), nn.GELU(),
+                                                         nn.Linear(4 * width, width)))) for _ in range(layers))
+        self.norm, self.head = nn.LayerNorm(width), nn.Linear(width, vocab)
+
+    def forward(self, tokens, start=0, caches=None, kernel="auto"):
+        """Logits for tokens (B, T) at positions start .. start + T - 1. caches: one (k_cache, v_cache) per
+        layer, holding the first `start` positions, or None for SDPA over tokens alone."""
+        B, T = tokens.shape
+        x = self.embed(tokens) + self.position(torch.arange(start, start + T, device=tokens.device))
+        for layer, block in enumerate(self.blocks):
+            q, k, v = block["qkv"](block["norm1"](x)).split([self.H_q * self.d, self.H_kv * self.d,
+                                                             self.H_kv * self.d], dim=-1)
+            q, k, v = (t.view(B, T, -1, self.d).transpose(1, 2) for t in (q, k, v))
+            if caches is None:
+                k, v = (t.repeat_interleave(self.H_q // self.H_kv, dim=1) for t in (k, v))
+                y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+            else:
+                y = flash_attention_with_kvcache(q, *caches[layer], start, k=k, v=v, kernel=kernel)
+            x = x + block["proj"](y.transpose(1, 2).reshape(B, T, -1))
+            x = x + block["mlp"](block["norm2"](x))
+        return self.head(self.norm(x))
+
+
+@pytest.mark.parametrize("kernel, dtype", CASES)
+def test_generation_with_kvcache_matches_sdpa(kernel, dtype):
+    """32 greedy tokens: SDPA recomputing attention over the whole prefix at every step, and the cache: the
+    prompt prefilled into it, then one token at a time. The logits of every step agree (the cache fed SDPA's
+    tokens), and so do the tokens generated, wherever the rounding of the dtype cannot swap the top two."""
+    torch.manual_seed(0)
+    model = TinyGPT().to("cuda", DTYPES[dtype]).eval()
+    prompt = torch.randint(0, 97, (2, 9), device="cuda")
+    with torch.no_grad():
+        tokens, sdpa_logits = prompt, []
+        for _ in range(32):  # SDPA: the whole prefix every step
+            sdpa_logits.append(model(tokens)[:, -1].float())
+            tokens = torch.cat([tokens, sdpa_logits[-1].argmax(-1, keepdim=True)], dim=1)
+        caches = [[torch.zeros(2, 2, 64, 64, device="cuda", dtype=DTYPES[dtype]) for _ in range(2)] for _ in range(2)]
+        cache_logits = [model(prompt, 0, caches, kernel)[:, -1].float()]  # prefill
+        for n in range(9, 40):  # then SDPA's tokens, one at a time
+            cache_logits.append(model(tokens[:, n:n + 1], n, caches, kernel)[:, -1].float())
+    tolerance = {"float32": 1e-4, "float16": 1e-2, "bfloat16": 8e-2}[dtype]
+    for step, (ours, theirs) in enumerate(zip(cache_logits, sdpa_logits)):
+        assert (ours - theirs).abs().max() <= tolerance * theirs.abs().max(), \
+            f"step {step}: logits differ by {(ours - theirs).abs().max():.2e}"
+        top2 = theirs.topk(2).values
+        clear = top2[:, 0] - top2[:, 1] > 2 * tolerance * theirs.abs().max()  # a margin rounding cannot flip
+        assert torch.equal(ours.argmax(-1)[clear], theirs.argmax(-1)[clear]), f"step {step}: another token"
+    if dtype != "bfloat16":  # fp16 and fp32 round finely enough to generate the very same 32 tokens
+        generated = prompt
+        caches = [[torch.zeros_like(c) for c in layer] for layer in caches]
+        with torch.no_grad():
+            logits = model(prompt, 0, caches, kernel)[:, -1]
+            for n in range(9, 41):
+                generated = torch.cat([generated, logits.argmax(-1, keepdim=True)], dim=1)
+                if n < 40:
+                    logits = model(generated[:, -1:], n, caches, kernel)[:, -1]
+        assert torch.equal(generated, tokens), f"generated {generated[:, 9:].tolist()}, SDPA {tokens[:, 9:].tolist()}"
