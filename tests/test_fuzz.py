@@ -1,8 +1,9 @@
 """Random problems instead of a fixed grid: shapes, causal and softmax_scale drawn from a seeded generator.
 
 GPU (skipped, visibly, without a CUDA GPU): every available kernel and dtype on FLASH_FUZZ_CASES random
-problems (default 10 each), forward and all three gradients against float64 with test_kernels.py's rule
-(at most 3x SDPA's error in the same dtype, plus a small floor). CPU: reference.py's block loops with
+problems (default 10 each), forward, L and all three gradients against float64 with test_kernels.py's rule
+(at most 3x SDPA's error in the same dtype, plus a small floor); half of them have N_q != N_k, and H_kv
+divides H_q. CPU: reference.py's block loops with
 random block sizes B_r, B_c against dense attention and autograd in float64 (3 * FLASH_FUZZ_CASES problems).
 
     FLASH_FUZZ_CASES=500 python -m pytest tests/test_fuzz.py     # the full run
@@ -19,7 +20,8 @@ import torch
 
 import reference
 from main import list_kernels, rel_err
-from test_kernels import DTYPES, check  # pytest puts tests/ on sys.path (rootdir conftest, no package)
+from test_kernels import DTYPES  # pytest puts tests/ on sys.path (rootdir conftest, no package)
+from test_shapes import check
 
 SEED = int(os.environ.get("FLASH_FUZZ_SEED", "0"))
 CASES = int(os.environ.get("FLASH_FUZZ_CASES", "10"))
@@ -54,16 +56,18 @@ def test_kernel_on_random_problems(kernel, dtype):
     rng = random.Random(f"{SEED}-{kernel}-{dtype}")
     failures, last = [], 0
     for index in range(CASES):
-        B, H, N = rng.randint(1, 3), rng.randint(1, 3), draw_length(rng)
+        B, H_kv, group, N_q = rng.randint(1, 3), rng.randint(1, 3), rng.choice([1, 1, 2, 4]), draw_length(rng)
+        N_k = N_q if rng.random() < 0.5 else draw_length(rng)
         d, causal, scale = rng.choice(AVAILABLE[kernel]["head_dims"]), rng.random() < 0.5, draw_scale(rng)
         inputs_seed = rng.randrange(2**31)
         g = torch.Generator(device="cuda").manual_seed(inputs_seed)
-        q, k, v, do = (torch.randn(B, H, N, d, device="cuda", dtype=DTYPES[dtype], generator=g) for _ in range(4))
+        q, do = (torch.randn(B, H_kv * group, N_q, d, device="cuda", dtype=DTYPES[dtype], generator=g) for _ in range(2))
+        k, v = (torch.randn(B, H_kv, N_k, d, device="cuda", dtype=DTYPES[dtype], generator=g) for _ in range(2))
         try:
             check(kernel, q, k, v, do, causal, scale)
         except (AssertionError, RuntimeError) as error:  # RuntimeError: a failed launch; keep checking the rest
-            failures.append(f"case {index}: kernel={kernel} dtype={dtype} (B, H, N, d)=({B}, {H}, {N}, {d}) "
-                            f"causal={causal} softmax_scale={scale} q, k, v, dO = torch.randn(..., "
+            failures.append(f"case {index}: kernel={kernel} dtype={dtype} q {tuple(q.shape)} k, v {tuple(k.shape)} "
+                            f"causal={causal} softmax_scale={scale} q, dO, k, v = torch.randn(..., "
                             f"generator=torch.Generator('cuda').manual_seed({inputs_seed})): {error}")
             last = index
     test = f"tests/test_fuzz.py::test_kernel_on_random_problems[{kernel}-{dtype}]"
@@ -76,10 +80,12 @@ def test_reference_with_random_block_sizes():
     rng = random.Random(f"{SEED}-reference")
     failures, last = [], 0
     for index in range(3 * CASES):
-        B, H, N, d = rng.randint(1, 2), rng.randint(1, 2), rng.randint(1, 150), rng.randint(1, 64)
+        B, H_kv, group, d = rng.randint(1, 2), rng.randint(1, 2), rng.choice([1, 2, 3]), rng.randint(1, 64)
+        N_q, N_k = rng.randint(1, 150), rng.randint(1, 150)
         B_r, B_c, causal, scale = rng.randint(1, 70), rng.randint(1, 70), rng.random() < 0.5, draw_scale(rng)
         g = torch.Generator().manual_seed(rng.randrange(2**31))
-        q, k, v, do = (torch.randn(B, H, N, d, dtype=torch.float64, generator=g) for _ in range(4))
+        q, do = (torch.randn(B, H_kv * group, N_q, d, dtype=torch.float64, generator=g) for _ in range(2))
+        k, v = (torch.randn(B, H_kv, N_k, d, dtype=torch.float64, generator=g) for _ in range(2))
         qg, kg, vg = (t.clone().requires_grad_() for t in (q, k, v))
         o_ref = reference.attention(qg, kg, vg, causal, scale)
         expected = [o_ref, *torch.autograd.grad(o_ref, (qg, kg, vg), do)]
@@ -87,7 +93,7 @@ def test_reference_with_random_block_sizes():
         found = [o, *reference.flash_backward(q, k, v, o, L, do, causal, scale, B_r=B_r, B_c=B_c)]
         errors = {name: rel_err(x, r) for name, x, r in zip(["O", "dQ", "dK", "dV"], found, expected)}
         if not max(errors.values()) <= 1e-9:
-            failures.append(f"case {index}: (B, H, N, d)=({B}, {H}, {N}, {d}) B_r={B_r} B_c={B_c} causal={causal} "
+            failures.append(f"case {index}: q {tuple(q.shape)} k {tuple(k.shape)} B_r={B_r} B_c={B_c} causal={causal} "
                             f"softmax_scale={scale}: relative errors "
                             + ", ".join(f"{name} {e:.1e}" for name, e in errors.items()))
             last = index

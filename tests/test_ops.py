@@ -122,3 +122,18 @@ def test_torch_compile_matches_eager(fullgraph):
     if fullgraph:
         explanation = torch._dynamo.explain(model)(x)
         assert explanation.graph_break_count == 0, explanation.break_reasons
+
+
+def test_torch_compile_with_groups_and_unequal_lengths():
+    """Cross-attention with grouped-query heads (8 query heads, 2 key/value heads, N_q != N_k, bottom-right
+    causal) compiled with fullgraph=True: the fake implementation gives the shapes, autograd the gradients."""
+    torch.manual_seed(7)
+    torch._dynamo.reset()
+    q, do = (torch.randn(2, 8, 33, 64, device="cuda", dtype=torch.float16) for _ in range(2))
+    k, v = (torch.randn(2, 2, 97, 64, device="cuda", dtype=torch.float16) for _ in range(2))
+    attention = lambda q, k, v: flash_attention(q, k, v, causal=True)  # noqa: E731
+    compiled = outputs(torch.compile(attention, fullgraph=True), q, k, v, do)
+    exact = outputs(lambda q, k, v: reference.attention(q, k, v, causal=True), *(t.double() for t in (q, k, v, do)))
+    for name, x, r in zip(["O", "dQ", "dK", "dV"], compiled, exact):
+        assert x.shape == r.shape, f"{name}: shape {tuple(x.shape)}, expected {tuple(r.shape)}"
+        assert rel_err(x, r) < TOLERANCE["float16"], f"{name}: relative error {rel_err(x, r):.1e}"

@@ -27,21 +27,21 @@ def bottom_right(N_q, N_k, device="cuda"):
     return torch.ones(N_q, N_k, dtype=torch.bool, device=device).tril(N_k - N_q)
 
 
-def sdpa(causal):
+def sdpa(causal, scale=None):
     """SDPA with our semantics: keys and values repeated per query head, the bottom-right mask, and 0 for
     rows that see no key (where SDPA's softmax may give NaN)."""
     def attention(q, k, v):
         k, v = (x.repeat_interleave(q.shape[1] // k.shape[1], dim=1) for x in (k, v))
         mask = bottom_right(q.shape[2], k.shape[2]) if causal else None
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask).nan_to_num(0.0)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale).nan_to_num(0.0)
     return attention
 
 
-def check(kernel, q, k, v, do, causal):
+def check(kernel, q, k, v, do, causal, scale=None):
     """O, L and the three gradients against float64; the errors against SDPA's in the same dtype."""
-    exact = outputs(lambda q, k, v: reference.attention(q, k, v, causal), *(t.double() for t in (q, k, v, do)))
-    ours = outputs(lambda q, k, v: flash_attention(q, k, v, causal=causal, kernel=kernel), q, k, v, do)
-    theirs = [x.nan_to_num(0.0) for x in outputs(sdpa(causal), q, k, v, do)]
+    exact = outputs(lambda q, k, v: reference.attention(q, k, v, causal, scale), *(t.double() for t in (q, k, v, do)))
+    ours = outputs(lambda q, k, v: flash_attention(q, k, v, causal, scale, kernel=kernel), q, k, v, do)
+    theirs = [x.nan_to_num(0.0) for x in outputs(sdpa(causal, scale), q, k, v, do)]
     where = f"kernel={kernel}, q {tuple(q.shape)}, k {tuple(k.shape)}, causal={causal}"
     for name, x, s, r in zip(["O", "dQ", "dK", "dV"], ours, theirs, exact):
         assert x.shape == r.shape and x.dtype == q.dtype, f"{name}: shape {tuple(x.shape)} dtype {x.dtype} ({where})"
@@ -52,8 +52,9 @@ def check(kernel, q, k, v, do, causal):
         err, err_sdpa = rel_err(x, r), rel_err(s, r)
         assert err <= 3 * err_sdpa + FLOOR[q.dtype], f"{name}: error {err:.2e} vs SDPA's {err_sdpa:.2e} ({where})"
     # L: the natural-log row log-sum-exp, -inf exactly where a query sees no key
-    _, L = flash_attention(q, k, v, causal=causal, kernel=kernel, return_lse=True)
-    S = q.double() @ k.double().repeat_interleave(q.shape[1] // k.shape[1], dim=1).transpose(-1, -2) / math.sqrt(q.shape[-1])
+    _, L = flash_attention(q, k, v, causal, scale, kernel=kernel, return_lse=True)
+    S = q.double() @ k.double().repeat_interleave(q.shape[1] // k.shape[1], dim=1).transpose(-1, -2) \
+        * (scale or 1 / math.sqrt(q.shape[-1]))
     L_exact = torch.logsumexp(S.masked_fill(~bottom_right(*S.shape[-2:]), -math.inf) if causal else S, dim=-1)
     assert torch.equal(L.isinf(), L_exact.isinf()), f"L is -inf in the wrong rows ({where})"
     seen = L_exact.isfinite()
