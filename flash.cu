@@ -81,7 +81,7 @@ struct KernelSpec {
 
 // Decoding: at most this many queries per head go to flash_decode (kernels with split_kv), whose tiles hold
 // 16 rows of queries of one key/value head.
-constexpr int SPLIT_KV_MAX_QUERIES = 16;
+[[maybe_unused]] constexpr int SPLIT_KV_MAX_QUERIES = 16;  // ([[maybe_unused]]: NVRTC compiles kernels alone)
 
 constexpr float LOG2E = 1.4426950408889634f;  // log2(e): exp(x) = exp2(x * LOG2E)
 constexpr float LN2 = 0.6931471805599453f;     // ln(2):   log(x) = log2(x) * LN2
@@ -1112,10 +1112,10 @@ flash_bwd_ampere(Rows<const T> Q, Rows<const T> K, Rows<const T> V, Rows<const T
 }
 
 // ------------------------------------------------------------------------------------------------------
-// Decoding on Ampere tensor cores (sm_80+; the hopper kernel decodes with it too): Algorithm 1 for a few
-// queries against many keys, with split-KV ("flash-decoding"; notebook 09). The paper's section 3.2 fills the
-// GPU, when B * H is small, by giving each query block its own thread block; with one query block, the
-// sequence left to divide is the keys.
+// Decoding on Ampere tensor cores (sm_80+; section 7 has Hopper's): Algorithm 1 for a few queries against
+// many keys, with split-KV ("flash-decoding"; notebook 09). The paper's section 3.2 fills the GPU, when
+// B * H is small, by giving each query block its own thread block; with one query block, the sequence left
+// to divide is the keys.
 // One block per query block of one head, as above, launches B * H_q blocks for one new token per sequence:
 // 32 on a 132-SM H100 at B = 1, H_q = 32, each streaming a whole K and V alone. Here instead:
 // - Rows: the G = H_q / H_kv query heads that read one key/value head, times their N_q queries, are the
@@ -1126,37 +1126,129 @@ flash_bwd_ampere(Rows<const T> Q, Rows<const T> K, Rows<const T> V, Rows<const T
 //   O_part and L_part) and flash_merge_splits combines them by L; with one split the block writes O and L itself.
 // - Warps: each of the 4 warps takes 16 of the B_c = 64 keys of every block, keeps its own m_i, l_i and O_i
 //   over them, and the warps' parts are merged at the end by the same rule as the splits.
-// Grid (splits, H_kv * tiles, B); 128 threads; K_j and V_j stream through STAGES cp.async stages. Per warp
-// and block j (the fragments of the Ampere forward, with one 16-row tile):
+// Grid (splits, H_kv * tiles, B); 128 threads. Per warp and block j (the fragments of the Ampere forward,
+// with one 16-row tile):
 //   S (16, 16)  = Q (16, d) K_j[16w .. 16w+15]^T      d/16 x 2 mma
 //   O (16, d)  += P (16, 16) V_j[16w .. 16w+15]       d/8 mma
 // seqlens_k (B), if given, is each sequence's own number of keys (a KV cache with room to spare).
+// DecodeBlock holds what the Ampere and Hopper decoding kernels share; they differ in how K_j, V_j arrive.
+template <typename T, int d>
+struct DecodeBlock {
+  static constexpr int B_c = 64, ld = d + 8;  // keys per block; row stride of the queries in shared memory
+  int G, N_q, rows, tiles, H_q, h_kv, row0;   // this block's rows: row0 .. row0 + 15 of the G * N_q
+  Mask mask;
+  int j_begin, j_end;                         // this split's key blocks
+  __device__ DecodeBlock(int G, Mask mask, const int* seqlens_k)
+      : G(G), N_q(mask.N_q), rows(G * N_q), tiles((rows + 15) / 16), H_q(G * (gridDim.y / tiles)),
+        h_kv(blockIdx.y / tiles), row0(16 * (blockIdx.y % tiles)), mask(mask) {
+    if (seqlens_k) this->mask.N_k = seqlens_k[blockIdx.z];
+    const int T_c = (this->mask.N_k + B_c - 1) / B_c;
+    j_begin = T_c * blockIdx.x / gridDim.x, j_end = T_c * (blockIdx.x + 1) / gridDim.x;
+  }
+  __device__ int head(int x) const { return h_kv * G + x / N_q; }  // row x's query head and query
+  __device__ int query(int x) const { return x % N_q; }
+
+  // Alg.1 l.4: load Q_i, the 16 rows, into Q_s (zero past the last), then each warp's A fragments of them
+  template <int n_threads>
+  __device__ void load_queries(uint32_t (&Q_frag)[d / 16][4], T* Q_s, Rows<const T> Q) const {
+    for (int idx = threadIdx.x; idx < 16 * d / 8; idx += n_threads) {
+      const int r = idx / (d / 8), c = 8 * (idx % (d / 8)), x = row0 + r;
+      uint4 q = make_uint4(0, 0, 0, 0);
+      if (x < rows) q = *reinterpret_cast<const uint4*>(Q.ptr + blockIdx.z * Q.stride_b + head(x) * Q.stride_h +
+                                                        query(x) * Q.stride_n + c);
+      *reinterpret_cast<uint4*>(&Q_s[r * ld + c]) = q;
+    }
+    __syncthreads();  // the queries are in shared memory
+    const int lane = threadIdx.x % 32;  // (addresses as in the Turing kernel)
+    for (int kk = 0; kk < d / 16; kk++) ldmatrix_x4(Q_frag[kk], &Q_s[(lane % 16) * ld + 16 * kk + 8 * (lane / 16)]);
+  }
+
+  // Alg.1 l.8-10 for this warp's 16 keys c0 .. c0+15 of block j. K_row(r, p) and V_row(r, p): where 16-byte
+  // piece p of the warp's key r sits in shared memory (the kernels store their tiles differently).
+  template <typename KRow, typename VRow>
+  __device__ void step(float (&O_i)[d / 8][4], float (&m_i)[2], float (&l_i)[2], const uint32_t (&Q_frag)[d / 16][4],
+                       int c0, KRow K_row, VRow V_row, float scale_log2) const {
+    const int lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
+    float S[2][4] = {};                                                          // Alg.1 l.8: S_ij = Q_i K_j^T
+#pragma unroll
+    for (int kk = 0; kk < d / 16; kk++) {
+      uint32_t b[4];  // B fragments of the warp's 16 keys (lanes point as in the Turing kernel)
+      ldmatrix_x4(b, K_row(lane % 8 + 8 * (lane / 16), 2 * kk + lane / 8 % 2));
+      mma_m16n8k16<T>(S[0], Q_frag[kk], b[0], b[1]), mma_m16n8k16<T>(S[1], Q_frag[kk], b[2], b[3]);
+    }
+    float alpha[2];  // Alg.1 l.9, and the rescaling of O_i in l.10
+    const int r[2] = {query(row0 + g), query(row0 + g + 8)};  // this lane's rows as queries, for the mask
+    mask_and_scale<16>(S, r, c0 + 2 * t, mask, mask.any(0, N_q, c0, 16), scale_log2);
+    update_row_max<16>(S, m_i, l_i, alpha);
+    rescale_O<d>(O_i, alpha);
+    uint32_t P_frag[4];  // P as the A fragment of one 16-wide slice: keys c0 .. c0+7, c0+8 .. c0+15
+    exp_and_pack<T>(P_frag[0], P_frag[1], S[0], m_i, l_i), exp_and_pack<T>(P_frag[2], P_frag[3], S[1], m_i, l_i);
+#pragma unroll
+    for (int nt = 0; nt < d / 8; nt += 2) {                                      // Alg.1 l.10: O_i += P_ij V_j
+      uint32_t b[4];  // B fragments of V_j, transposed on the way (lanes point as in the Turing kernel)
+      ldmatrix_x4_trans(b, V_row(lane % 8 + 8 * (lane / 8 % 2), nt + lane / 16));
+      mma_m16n8k16<T>(O_i[nt], P_frag, b[0], b[1]), mma_m16n8k16<T>(O_i[nt + 1], P_frag, b[2], b[3]);
+    }
+  }
+
+  // The 4 warps' parts merged, m = max_w m_w, l = sum_w e^(m_w - m) l_w, O = sum_w e^(m_w - m) O_w, through
+  // `scratch` (4 * 16 * (d + 2) floats of shared memory), then Alg.1 l.12-15, or this split's part for
+  // flash_merge_splits. Called by all 128 threads.
+  __device__ void write(float* scratch, const float (&O_i)[d / 8][4], const float (&m_i)[2], float (&l_i)[2],
+                        Rows<T> O, float* L, float* O_part, float* L_part) const {
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
+    float* m_s = scratch;       // (4, 16)     each warp's m_i
+    float* l_s = m_s + 4 * 16;  // (4, 16)     each warp's l_i
+    float* O_s = l_s + 4 * 16;  // (4, 16, d)  each warp's O_i (not divided by l_i)
+    for (int h = 0; h < 2; h++) {
+      l_i[h] += __shfl_xor_sync(~0u, l_i[h], 1);  // the row's sum over the 4 lanes of its quad
+      l_i[h] += __shfl_xor_sync(~0u, l_i[h], 2);
+      const int x = 16 * warp + g + 8 * h;
+      if (t == 0) m_s[x] = m_i[h], l_s[x] = l_i[h];
+      for (int nt = 0; nt < d / 8; nt++)
+        *reinterpret_cast<float2*>(&O_s[x * d + 8 * nt + 2 * t]) = make_float2(O_i[nt][2 * h], O_i[nt][2 * h + 1]);
+    }
+    __syncthreads();  // every warp's part is in shared memory
+    for (int idx = threadIdx.x; idx < 16 * d / 2; idx += 128) {  // two columns c, c + 1 of row row0 + x
+      const int x = idx / (d / 2), c = 2 * (idx % (d / 2));
+      if (row0 + x >= rows) break;
+      float m = M_START, l = 0.f, o0 = 0.f, o1 = 0.f;
+      for (int w = 0; w < 4; w++) m = fmaxf(m, m_s[16 * w + x]);
+      for (int w = 0; w < 4; w++) {
+        const float f = exp2_ftz(m_s[16 * w + x] - m);
+        l += f * l_s[16 * w + x], o0 += f * O_s[(16 * w + x) * d + c], o1 += f * O_s[(16 * w + x) * d + c + 1];
+      }
+      const int h = head(row0 + x), n = query(row0 + x);
+      const size_t q = ((size_t)blockIdx.z * H_q + h) * N_q + n;  // the row's index in L (B, H_q, N_q)
+      if (gridDim.x == 1) {  // Alg.1 l.12-15: O_i = O_i / l_i and L_i, written (one split: the block saw every key)
+        T* O_r = O.ptr + blockIdx.z * O.stride_b + h * O.stride_h + n * O.stride_n;
+        *reinterpret_cast<uint32_t*>(O_r + c) = pack<T>(o0 * inverse(l), o1 * inverse(l));
+        if (c == 0) L[q] = log_sum_exp(m, l);
+      } else {  // this split's O and L over its keys, for flash_merge_splits
+        const size_t part = (size_t)blockIdx.x * gridDim.z * H_q * N_q + q;
+        *reinterpret_cast<float2*>(&O_part[part * d + c]) = make_float2(o0 * inverse(l), o1 * inverse(l));
+        if (c == 0) L_part[part] = log_sum_exp(m, l);
+      }
+    }
+  }
+};
+
+// The Ampere decoding kernel: K_j and V_j stream through STAGES cp.async stages, rows padded to d + 8.
 template <typename T, int d, int STAGES>
 __global__ void __launch_bounds__(128)
 flash_decode(Rows<const T> Q, Rows<const T> K, Rows<const T> V, Rows<T> O, float* __restrict__ L,
              float* __restrict__ O_part, float* __restrict__ L_part, Mask mask, const int* __restrict__ seqlens_k,
              int G, float scale_log2) {
-  constexpr int B_c = 64, ld = d + 8;
+  using Block = DecodeBlock<T, d>;
+  constexpr int B_c = Block::B_c, ld = Block::ld;
   extern __shared__ __align__(16) unsigned char smem_raw[];
   T* Q_s = reinterpret_cast<T*>(smem_raw);  // the tile's 16 query rows    (16, d)                row stride ld
   T* KV_s = Q_s + 16 * ld;                  // K_j, V_j in STAGES stages   (STAGES, 2, B_c, d)    row stride ld
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
-  const int N_q = mask.N_q, rows = G * N_q, tiles = (rows + 15) / 16, H_q = G * (gridDim.y / tiles);
-  const int h_kv = blockIdx.y / tiles, row0 = 16 * (blockIdx.y % tiles);  // this block's rows: row0 .. row0+15
-  if (seqlens_k) mask.N_k = seqlens_k[blockIdx.z];
-  const int N_k = mask.N_k, T_c = (N_k + B_c - 1) / B_c;
-  const int j_begin = T_c * blockIdx.x / gridDim.x, j_end = T_c * (blockIdx.x + 1) / gridDim.x;  // this split
-  K = K.head(tiles), V = V.head(tiles);  // key/value head h_kv
-  auto head = [&](int x) { return h_kv * G + x / N_q; };  // row x's query head and query
-  auto query = [&](int x) { return x % N_q; };
+  const int warp = threadIdx.x / 32;
+  const Block block(G, mask, seqlens_k);
+  const int j_begin = block.j_begin, j_end = block.j_end, N_k = block.mask.N_k;
+  K = K.head(block.tiles), V = V.head(block.tiles);  // key/value head h_kv
 
-  for (int idx = threadIdx.x; idx < 16 * d / 8; idx += 128) {  // l.4: load Q_i, the 16 rows, 16 bytes at a time
-    const int r = idx / (d / 8), c = 8 * (idx % (d / 8)), x = row0 + r;
-    uint4 q = make_uint4(0, 0, 0, 0);
-    if (x < rows) q = *reinterpret_cast<const uint4*>(Q.ptr + blockIdx.z * Q.stride_b + head(x) * Q.stride_h +
-                                                      query(x) * Q.stride_n + c);
-    *reinterpret_cast<uint4*>(&Q_s[r * ld + c]) = q;
-  }
   auto load_KV = [&](int j, int s) {  // l.7: load K_j, V_j into stage s, zero past N_k
     cp_async_tile<B_c, d, 128>(KV_s + 2 * s * B_c * ld, K, j * B_c, N_k);
     cp_async_tile<B_c, d, 128>(KV_s + (2 * s + 1) * B_c * ld, V, j * B_c, N_k);
@@ -1165,11 +1257,8 @@ flash_decode(Rows<const T> Q, Rows<const T> K, Rows<const T> V, Rows<T> O, float
     if (j_begin + s < j_end) load_KV(j_begin + s, s);
     cp_async_commit();
   }
-  __syncthreads();  // the queries are in shared memory
-  uint32_t Q_frag[d / 16][4];  // A fragments of the 16 rows (addresses as in the Turing kernel)
-  for (int kk = 0; kk < d / 16; kk++) ldmatrix_x4(Q_frag[kk], &Q_s[(lane % 16) * ld + 16 * kk + 8 * (lane / 16)]);
-
-  const int r[2] = {query(row0 + g), query(row0 + g + 8)};  // this lane's rows as queries, for the mask
+  uint32_t Q_frag[d / 16][4];
+  block.template load_queries<128>(Q_frag, Q_s, Q);                             // l.4
   float O_i[d / 8][4] = {}, m_i[2] = {M_START, M_START}, l_i[2] = {0.f, 0.f};  // l.5
   for (int j = j_begin; j < j_end; j++) {                                        // l.6
     const int s = (j - j_begin) % STAGES;
@@ -1179,65 +1268,12 @@ flash_decode(Rows<const T> Q, Rows<const T> K, Rows<const T> V, Rows<T> O, float
     cp_async_commit();
     const T* K_w = KV_s + 2 * s * B_c * ld + 16 * warp * ld;  // this warp's 16 keys of K_j and V_j
     const T* V_w = K_w + B_c * ld;
-
-    float S[2][4] = {};                                                          // l.8: S_ij = Q_i K_j^T
-#pragma unroll
-    for (int kk = 0; kk < d / 16; kk++) {
-      uint32_t b[4];  // B fragments of the warp's 16 keys (addresses as in the Turing kernel)
-      ldmatrix_x4(b, &K_w[(lane % 8 + 8 * (lane / 16)) * ld + 16 * kk + 8 * (lane / 8 % 2)]);
-      mma_m16n8k16<T>(S[0], Q_frag[kk], b[0], b[1]), mma_m16n8k16<T>(S[1], Q_frag[kk], b[2], b[3]);
-    }
-    const int c0 = j * B_c + 16 * warp;  // the warp's first key
-    float alpha[2];  // l.9, and the rescaling of O_i in l.10
-    mask_and_scale<16>(S, r, c0 + 2 * t, mask, mask.any(0, N_q, c0, 16), scale_log2);
-    update_row_max<16>(S, m_i, l_i, alpha);
-    rescale_O<d>(O_i, alpha);
-    uint32_t P_frag[4];  // P as the A fragment of one 16-wide slice: keys c0 .. c0+7, c0+8 .. c0+15
-    exp_and_pack<T>(P_frag[0], P_frag[1], S[0], m_i, l_i), exp_and_pack<T>(P_frag[2], P_frag[3], S[1], m_i, l_i);
-#pragma unroll
-    for (int nt = 0; nt < d / 8; nt += 2) {                                      // l.10: O_i += P_ij V_j
-      uint32_t b[4];  // B fragments of V_j, transposed on the way (addresses as in the Turing kernel)
-      ldmatrix_x4_trans(b, &V_w[(lane % 8 + 8 * (lane / 8 % 2)) * ld + 8 * nt + 8 * (lane / 16)]);
-      mma_m16n8k16<T>(O_i[nt], P_frag, b[0], b[1]), mma_m16n8k16<T>(O_i[nt + 1], P_frag, b[2], b[3]);
-    }
+    block.step(O_i, m_i, l_i, Q_frag, j * B_c + 16 * warp, [&](int r, int p) { return &K_w[r * ld + 8 * p]; },
+               [&](int r, int p) { return &V_w[r * ld + 8 * p]; }, scale_log2);  // l.8-10
   }
-
-  // The warps' parts (m_w, l_w, O_w) merged: m = max_w m_w, l = sum_w e^(m_w - m) l_w, O = sum_w e^(m_w - m) O_w
   cp_async_wait<0>();
   __syncthreads();  // every warp is done with the stages, whose memory now takes the warps' parts
-  float* m_s = reinterpret_cast<float*>(KV_s);  // (4, 16)     each warp's m_i
-  float* l_s = m_s + 4 * 16;                     // (4, 16)     each warp's l_i
-  float* O_s = l_s + 4 * 16;                     // (4, 16, d)  each warp's O_i (not divided by l_i)
-  for (int h = 0; h < 2; h++) {
-    l_i[h] += __shfl_xor_sync(~0u, l_i[h], 1);  // the row's sum over the 4 lanes of its quad
-    l_i[h] += __shfl_xor_sync(~0u, l_i[h], 2);
-    const int x = 16 * warp + g + 8 * h;
-    if (t == 0) m_s[x] = m_i[h], l_s[x] = l_i[h];
-    for (int nt = 0; nt < d / 8; nt++)
-      *reinterpret_cast<float2*>(&O_s[x * d + 8 * nt + 2 * t]) = make_float2(O_i[nt][2 * h], O_i[nt][2 * h + 1]);
-  }
-  __syncthreads();  // every warp's part is in shared memory
-  for (int idx = threadIdx.x; idx < 16 * d / 2; idx += 128) {  // two columns c, c + 1 of row row0 + x
-    const int x = idx / (d / 2), c = 2 * (idx % (d / 2));
-    if (row0 + x >= rows) break;
-    float m = M_START, l = 0.f, o0 = 0.f, o1 = 0.f;
-    for (int w = 0; w < 4; w++) m = fmaxf(m, m_s[16 * w + x]);
-    for (int w = 0; w < 4; w++) {
-      const float f = exp2_ftz(m_s[16 * w + x] - m);
-      l += f * l_s[16 * w + x], o0 += f * O_s[(16 * w + x) * d + c], o1 += f * O_s[(16 * w + x) * d + c + 1];
-    }
-    const int h = head(row0 + x), n = query(row0 + x);
-    const size_t q = ((size_t)blockIdx.z * H_q + h) * N_q + n;  // the row's index in L (B, H_q, N_q)
-    if (gridDim.x == 1) {  // l.12-15: O_i = O_i / l_i and L_i, written (one split: the block saw every key)
-      T* O_r = O.ptr + blockIdx.z * O.stride_b + h * O.stride_h + n * O.stride_n;
-      *reinterpret_cast<uint32_t*>(O_r + c) = pack<T>(o0 * inverse(l), o1 * inverse(l));
-      if (c == 0) L[q] = log_sum_exp(m, l);
-    } else {  // this split's O and L over its keys, for flash_merge_splits
-      const size_t part = (size_t)blockIdx.x * gridDim.z * H_q * N_q + q;
-      *reinterpret_cast<float2*>(&O_part[part * d + c]) = make_float2(o0 * inverse(l), o1 * inverse(l));
-      if (c == 0) L_part[part] = log_sum_exp(m, l);
-    }
-  }
+  block.write(reinterpret_cast<float*>(KV_s), O_i, m_i, l_i, O, L, O_part, L_part);  // l.12-15
 }
 
 // Split-KV, the second kernel: each query row's O and L from the parts of the splits, by their L
@@ -1765,6 +1801,77 @@ flash_bwd_hopper(const __grid_constant__ CUtensorMap Q_map, const __grid_constan
   }
 #endif
 }
+
+// Decoding on Hopper: flash_decode (section 6) with K_j and V_j copied by TMA. The same rows, splits, warps and
+// steps (DecodeBlock); thread 0 also issues the copies: one TMA copy per 64-column panel of K_j and of V_j into
+// STAGES mbarrier stages, each warp arriving on the stage's `empty` barrier once it has read it, as the
+// hopper forward's consumers do. No thread spends instructions on addresses or copies, and the copies are
+// whole tiles. The stages hold the tiles with the 128-byte swizzle: piece p of key row r of a panel sits at
+// piece p ^ (r % 8) of the row (see this section's introduction), and the ldmatrix addresses follow it.
+template <typename T, int d, int STAGES>
+__global__ void __launch_bounds__(128, 1)
+flash_decode_hopper(Rows<const T> Q, const __grid_constant__ CUtensorMap K_map, const __grid_constant__ CUtensorMap V_map,
+                    Rows<T> O, float* __restrict__ L, float* __restrict__ O_part, float* __restrict__ L_part, Mask mask,
+                    const int* __restrict__ seqlens_k, int G, float scale_log2) {
+#if SM90A
+  using Block = DecodeBlock<T, d>;
+  constexpr int B_c = Block::B_c;
+  constexpr uint32_t tile_bytes = B_c * d * sizeof(T);  // K_j or V_j: d/64 panels of (B_c, 128 bytes)
+  extern __shared__ unsigned char smem_raw[];
+  const uint32_t KV_s = (smem_addr(smem_raw) + 1023) & ~1023u;  // stage s: K_j, then V_j (swizzling: 1024-aligned)
+  auto K_s = [&](int s) { return KV_s + 2 * s * tile_bytes; };
+  auto V_s = [&](int s) { return K_s(s) + tile_bytes; };
+  const uint32_t bars = KV_s + 2 * STAGES * tile_bytes;  // then the mbarriers, 8 bytes each
+  auto full = [&](int s) { return bars + 8 * s; };
+  auto empty = [&](int s) { return bars + 8 * (STAGES + s); };
+  T* Q_s = reinterpret_cast<T*>(__cvta_shared_to_generic(bars + 16 * STAGES));  // (16, d) row stride d + 8
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const Block block(G, mask, seqlens_k);
+  const int j_begin = block.j_begin, n_blocks = block.j_end - block.j_begin, N_k = block.mask.N_k;
+
+  auto load_KV = [&](int n) {  // l.7: load K_j, V_j for j = j_begin + n into stage n % STAGES (by thread 0)
+    const int s = n % STAGES, j = j_begin + n;
+    mbar_arrive_expect_bytes(full(s), 2 * tile_bytes);
+    for (int c = 0; c < d / 64; c++) {
+      tma_load(K_s(s) + c * B_c * 128, K_map, 64 * c, j * B_c, block.h_kv, full(s));
+      tma_load(V_s(s) + c * B_c * 128, V_map, 64 * c, j * B_c, block.h_kv, full(s));
+    }
+  };
+  if (threadIdx.x == 0) {
+    for (int s = 0; s < STAGES; s++) mbar_init(full(s), 1), mbar_init(empty(s), 4);
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");  // initialised before TMA signals them
+    for (int n = 0; n < min(STAGES, n_blocks); n++) load_KV(n);
+  }
+  uint32_t Q_frag[d / 16][4];
+  block.template load_queries<128>(Q_frag, Q_s, Q);  // l.4 (its barrier also publishes the mbarriers)
+  // Piece p (16 bytes) of key row r of this warp, in panel p / 8 of stage s's tile at `tile`, swizzled
+  auto piece = [&](uint32_t tile, int r, int p) {
+    const int row = 16 * warp + r;
+    return __cvta_shared_to_generic(tile + p / 8 * B_c * 128 + row * 128 + ((p % 8) ^ (row % 8)) * 16);
+  };
+  float O_i[d / 8][4] = {}, m_i[2] = {M_START, M_START}, l_i[2] = {0.f, 0.f};  // l.5
+  for (int n = 0; n < n_blocks; n++) {                                           // l.6
+    const int s = n % STAGES, c0 = (j_begin + n) * B_c + 16 * warp;  // c0: the warp's first key
+    mbar_wait(full(s), n / STAGES % 2);  // K_j and V_j have landed
+    if (c0 + 16 > N_k) {  // a cache with room to spare holds anything past N_k: its V rows, weighed 0, must be
+      for (int r = max(0, N_k - c0); r < 16; r++)  // finite (0 * NaN = NaN), so zero them
+        for (int p = lane; p < d / 8; p += 32) *reinterpret_cast<uint4*>(piece(V_s(s), r, p)) = make_uint4(0, 0, 0, 0);
+      asm volatile("fence.proxy.async.shared::cta;" ::: "memory");  // before TMA may write there again
+    }
+    __syncwarp();
+    block.step(O_i, m_i, l_i, Q_frag, c0, [&](int r, int p) { return piece(K_s(s), r, p); },
+               [&](int r, int p) { return piece(V_s(s), r, p); }, scale_log2);  // l.8-10
+    __syncwarp();
+    if (lane == 0) mbar_arrive(empty(s));  // this warp has finished reading stage s
+    if (threadIdx.x == 0 && n + STAGES < n_blocks) {
+      mbar_wait(empty(s), n / STAGES % 2);  // every warp has: refill it
+      load_KV(n + STAGES);
+    }
+  }
+  __syncthreads();  // every warp is done with the stages, whose memory now takes the warps' parts
+  block.write(reinterpret_cast<float*>(__cvta_shared_to_generic(KV_s)), O_i, m_i, l_i, O, L, O_part, L_part);
+#endif
+}
 #endif  // __CUDACC_RTC__
 
 #ifndef __CUDACC_RTC__
@@ -1825,63 +1932,6 @@ void launch_preprocess(const at::Tensor& O, const at::Tensor& dO, at::Tensor& D,
   launch(flash_bwd_preprocess<T>, grid((O.size(2) + 7) / 8, O), 256, 0, stream, rows<const T>(O),
          rows<const T>(dO), ptr<float>(D), (int)O.size(2), (int)O.size(3));
 }
-
-// Decoding, for the kernels with split_kv in KERNELS (ampere, hopper): flash_decode on every query tile and
-// split, then flash_merge_splits if there is more than one split. Declared for all: forward() names it.
-template <typename T, int d, int STAGES = 4>
-void decode(const at::Tensor& Q, const at::Tensor& K, const at::Tensor& V, at::Tensor& O, at::Tensor& L,
-            const int* seqlens_k, bool causal, float scale, cudaStream_t stream)
-#if defined(BUILD_ampere) || defined(BUILD_hopper)
-{
-  constexpr int B_c = 64;
-  const int B = Q.size(0), H_q = Q.size(1), N_q = Q.size(2), H_kv = K.size(1), N_k = K.size(2), G = H_q / H_kv;
-  // Four stages: 143 KB of shared memory at d = 128, one block per H100 SM (on an H100, 2-11% faster than
-  // three stages and two blocks); two stages (74 KB) where a block gets less (99 KB on sm_86 and sm_89)
-  const size_t smem = sizeof(T) * (16 + 2 * STAGES * B_c) * (d + 8);
-  if constexpr (STAGES > 2)
-    if (smem > max_smem_per_block()) return decode<T, d, 2>(Q, K, V, O, L, seqlens_k, causal, scale, stream);
-  // Splits: the blocks should fill the GPU in whole waves, since a last wave that is mostly empty leaves SMs
-  // idle for a block's whole time. Of the split counts that give each split 2 key blocks or more, the
-  // fewest whose waves are 95% as full as the fullest can be (at B * H_kv = 8 on an H100: 16 splits
-  // fill 132 block slots at d = 128, one per SM; one split would leave 124 empty).
-  const auto kernel = flash_decode<T, d, STAGES>;
-  int device;
-  CUDA_CHECK(cudaGetDevice(&device));
-  static int slots[64] = {};  // blocks of this kernel that the device's SMs hold at once, asked once per device
-  if (!slots[device]) {       // (the occupancy query costs more than a short decoding step)
-    int sms, per_sm;
-    CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
-    CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
-    CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, 128, smem));
-    slots[device] = sms * per_sm;
-  }
-  const int tiles = (G * N_q + 15) / 16, T_c = (N_k + B_c - 1) / B_c, blocks = B * H_kv * tiles;
-  const auto fullness = [&](int splits) {  // of the last wave
-    const double waves = double(blocks) * splits / slots[device];
-    return waves / std::ceil(waves);
-  };
-  const int most = std::clamp(T_c / 2, 1, 128);
-  double best = 0;
-  for (int s = 1; s <= most; s++) best = std::max(best, fullness(s));
-  int splits = 1;
-  while (fullness(splits) < 0.95 * best) splits++;
-  const dim3 grid(splits, H_kv * tiles, B);
-  if (splits == 1) {
-    launch(kernel, grid, 128, smem, stream, rows<const T>(Q), rows<const T>(K), rows<const T>(V), rows<T>(O),
-           ptr<float>(L), nullptr, nullptr, mask(Q, K, causal), seqlens_k, G, scale * LOG2E);
-    return;
-  }
-  auto O_part = at::empty({splits, B, H_q, N_q, d}, Q.options().dtype(at::kFloat));
-  auto L_part = at::empty({splits, B, H_q, N_q}, Q.options().dtype(at::kFloat));
-  launch(kernel, grid, 128, smem, stream, rows<const T>(Q), rows<const T>(K), rows<const T>(V), rows<T>(O),
-         ptr<float>(L), ptr<float>(O_part), ptr<float>(L_part), mask(Q, K, causal), seqlens_k, G, scale * LOG2E);
-  const int64_t n_rows = int64_t(B) * H_q * N_q;  // one warp each, 4 per block
-  launch(flash_merge_splits<T, d>, dim3((n_rows + 3) / 4), 128, 0, stream, ptr<float>(O_part), ptr<float>(L_part),
-         rows<T>(O), ptr<float>(L), splits, n_rows, H_q, N_q);
-}
-#else
-;
-#endif
 
 #if defined(BUILD_fp32)
 // Block sizes: with B_r = B_c = 64, four forward blocks (two backward) share an SM of an H100 (three and
@@ -2049,6 +2099,74 @@ void bwd_hopper(const at::Tensor& Q, const at::Tensor& K, const at::Tensor& V, c
 template <typename T, int d> constexpr auto fwd = fwd_hopper<T, d>;
 template <typename T, int d> constexpr auto bwd = bwd_hopper<T, d>;
 #endif
+
+// Decoding, for the kernels with split_kv in KERNELS: flash_decode (ampere) or flash_decode_hopper on every
+// query tile and split, then flash_merge_splits if there is more than one split. Declared for all kernels:
+// forward() names it.
+template <typename T, int d, int STAGES = 4>
+void decode(const at::Tensor& Q, const at::Tensor& K, const at::Tensor& V, at::Tensor& O, at::Tensor& L,
+            const int* seqlens_k, bool causal, float scale, cudaStream_t stream)
+#if defined(BUILD_ampere) || defined(BUILD_hopper)
+{
+  constexpr int B_c = DecodeBlock<T, d>::B_c;
+  const int B = Q.size(0), H_q = Q.size(1), N_q = Q.size(2), H_kv = K.size(1), N_k = K.size(2), G = H_q / H_kv;
+#if defined(BUILD_hopper)
+  // 1 KB of slack to align the tiles to 1024 bytes, STAGES stages of K_j and V_j (128 KB at d = 128), the
+  // mbarriers, the queries: one block per SM
+  const size_t smem = 1024 + 2 * STAGES * B_c * d * sizeof(T) + 16 * STAGES + 16 * (d + 8) * sizeof(T);
+  const auto kernel = flash_decode_hopper<T, d, STAGES>;
+  const auto K_arg = tensor_map(K, B_c), V_arg = tensor_map(V, B_c);
+#else
+  // Four stages: 143 KB of shared memory at d = 128, one block per H100 SM (on an H100, 2-11% faster than
+  // three stages and two blocks); two stages (74 KB) where a block gets less (99 KB on sm_86 and sm_89)
+  const size_t smem = sizeof(T) * (16 + 2 * STAGES * B_c) * (d + 8);
+  if constexpr (STAGES > 2)
+    if (smem > max_smem_per_block()) return decode<T, d, 2>(Q, K, V, O, L, seqlens_k, causal, scale, stream);
+  const auto kernel = flash_decode<T, d, STAGES>;
+  const auto K_arg = rows<const T>(K), V_arg = rows<const T>(V);
+#endif
+  // Splits: the blocks should fill the GPU in whole waves, since a last wave that is mostly empty leaves SMs
+  // idle for a block's whole time. Of the split counts that give each split 2 key blocks or more, the
+  // fewest whose waves are 95% as full as the fullest can be (at B * H_kv = 8 on an H100: 16 splits
+  // fill 132 block slots at d = 128, one per SM; one split would leave 124 empty).
+  int device;
+  CUDA_CHECK(cudaGetDevice(&device));
+  static int slots[64] = {};  // blocks of this kernel that the device's SMs hold at once, asked once per device
+  if (!slots[device]) {       // (the occupancy query costs more than a short decoding step)
+    int sms, per_sm;
+    CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
+    CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
+    CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, 128, smem));
+    slots[device] = sms * per_sm;
+  }
+  const int tiles = (G * N_q + 15) / 16, T_c = (N_k + B_c - 1) / B_c, blocks = B * H_kv * tiles;
+  const auto fullness = [&](int splits) {  // of the last wave
+    const double waves = double(blocks) * splits / slots[device];
+    return waves / std::ceil(waves);
+  };
+  const int most = std::clamp(T_c / 2, 1, 128);
+  double best = 0;
+  for (int s = 1; s <= most; s++) best = std::max(best, fullness(s));
+  int splits = 1;
+  while (fullness(splits) < 0.95 * best) splits++;
+  const dim3 grid(splits, H_kv * tiles, B);
+  if (splits == 1) {
+    launch(kernel, grid, 128, smem, stream, rows<const T>(Q), K_arg, V_arg, rows<T>(O),
+           ptr<float>(L), nullptr, nullptr, mask(Q, K, causal), seqlens_k, G, scale * LOG2E);
+    return;
+  }
+  auto O_part = at::empty({splits, B, H_q, N_q, d}, Q.options().dtype(at::kFloat));
+  auto L_part = at::empty({splits, B, H_q, N_q}, Q.options().dtype(at::kFloat));
+  launch(kernel, grid, 128, smem, stream, rows<const T>(Q), K_arg, V_arg, rows<T>(O),
+         ptr<float>(L), ptr<float>(O_part), ptr<float>(L_part), mask(Q, K, causal), seqlens_k, G, scale * LOG2E);
+  const int64_t n_rows = int64_t(B) * H_q * N_q;  // one warp each, 4 per block
+  launch(flash_merge_splits<T, d>, dim3((n_rows + 3) / 4), 128, 0, stream, ptr<float>(O_part), ptr<float>(L_part),
+         rows<T>(O), ptr<float>(L), splits, n_rows, H_q, N_q);
+}
+#else
+;
+#endif
+
 
 #ifdef KERNEL
 // This extension's kernel: its row of KERNELS.
