@@ -134,8 +134,10 @@ struct Mask {
   bool causal;
   // whether query r may not see key c. Bitwise | and &, not || and &&: no short-circuit, so no branches in
   // the unrolled loops that call it (branches there slowed the hopper forward measurably).
-  __device__ bool hides(int r, int c) const { return (c >= N_k) | (causal & (c > last_key(r))); }
+  __device__ bool hides(int r, int c) const { return hides_after(last_key(r), c); }
   __device__ int last_key(int r) const { return r + N_k - N_q; }  // the last key query r sees, with causal
+  // hides(r, c) given last_key(r), which loops over many keys of one row compute once
+  __device__ bool hides_after(int last, int c) const { return (c >= N_k) | (causal & (c > last)); }
   // whether the block of queries row0 .. row0+rows-1 and keys col0 .. col0+cols-1 may hide anything: kernels
   // skip the test on the blocks where it cannot
   __device__ bool any(int row0, int rows, int col0, int cols) const {
@@ -505,13 +507,11 @@ __device__ void mask_and_scale(float (&S)[B_c / 8][4], const int (&r)[2], int c0
                                float scale_log2) {
   for (int nt = 0; nt < B_c / 8; nt++)
     for (int e = 0; e < 4; e++) S[nt][e] *= scale_log2;
-  if (masked) {  // (mask.hides, with each row's last key computed once: 180 bytes less spilled by ampere)
+  if (masked) {  // (each row's last key computed once: 180 bytes less spilled by the ampere forward)
     const int last[2] = {mask.last_key(r[0]), mask.last_key(r[1])};
     for (int nt = 0; nt < B_c / 8; nt++)
-      for (int e = 0; e < 4; e++) {
-        const int c = c0 + 8 * nt + e % 2;
-        if ((c >= mask.N_k) | (mask.causal & (c > last[e / 2]))) S[nt][e] = -INFINITY;
-      }
+      for (int e = 0; e < 4; e++)
+        if (mask.hides_after(last[e / 2], c0 + 8 * nt + e % 2)) S[nt][e] = -INFINITY;
   }
 }
 

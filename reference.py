@@ -31,9 +31,10 @@ def _scale(Q, softmax_scale):
     return 1.0 / math.sqrt(Q.shape[-1]) if softmax_scale is None else softmax_scale
 
 
-def _query_heads(X, H_q):
-    """K or V (..., H_kv, N_k, d) seen from each of the H_q query heads: head h reads head h // (H_q / H_kv).
+def _query_heads(X, Q):
+    """K or V (..., H_kv, N_k, d) seen from each of Q's H_q query heads: head h reads head h // (H_q / H_kv).
     (A copy here, to keep the loops below those of the paper; the kernels only index.)"""
+    H_q = Q.shape[-3] if Q.dim() > 2 else 0
     if X.dim() < 3 or X.shape[-3] == H_q:
         return X
     if H_q % X.shape[-3]:
@@ -59,7 +60,7 @@ def _causal_mask(r0, r1, c0, c1, device, shift=0):
 def attention(Q, K, V, causal=False, softmax_scale=None):
     """Standard attention softmax(Q K^T * scale) V; builds the whole N_q x N_k matrix (the thing to avoid).
     A row whose keys are all masked gets 0 (FlashAttention's convention; softmax alone would give NaN)."""
-    K, V = _query_heads(K, Q.shape[-3] if Q.dim() > 2 else 0), _query_heads(V, Q.shape[-3] if Q.dim() > 2 else 0)
+    K, V = _query_heads(K, Q), _query_heads(V, Q)
     S = Q @ K.transpose(-1, -2) * _scale(Q, softmax_scale)                # (..., N_q, N_k)
     if not causal:
         return torch.softmax(S, dim=-1) @ V                               # (..., N_q, d)
@@ -73,9 +74,9 @@ def flash_forward(Q, K, V, causal=False, softmax_scale=None, B_r=64, B_c=64, key
     """Algorithm 1 (forward). Returns O (..., N_q, d) and L (..., N_q), the row log-sum-exp.
     key_blocks: the key blocks j to visit (default: all T_c); split-KV (flash_decode) visits one range of them
     per part and merges the parts."""
-    N_q, N_k, d = Q.shape[-2], K.shape[-2], Q.shape[-1]
+    N_q, N_k = Q.shape[-2], K.shape[-2]
     scale = _scale(Q, softmax_scale)
-    K, V = _query_heads(K, Q.shape[-3] if Q.dim() > 2 else 0), _query_heads(V, Q.shape[-3] if Q.dim() > 2 else 0)
+    K, V = _query_heads(K, Q), _query_heads(V, Q)
     T_r, T_c = math.ceil(N_q / B_r), math.ceil(N_k / B_c)
     shift = N_k - N_q                                                     # causal: query r sees keys c <= r + shift
     O = torch.empty_like(Q)
@@ -109,10 +110,10 @@ def flash_forward(Q, K, V, causal=False, softmax_scale=None, B_r=64, B_c=64, key
 
 def flash_backward(Q, K, V, O, L, dO, causal=False, softmax_scale=None, B_r=64, B_c=64):
     """Algorithm 2 (backward). Recomputes P_ij from Q_i, K_j and L_i; returns dQ, dK, dV."""
-    N_q, N_k, d = Q.shape[-2], K.shape[-2], Q.shape[-1]
+    N_q, N_k = Q.shape[-2], K.shape[-2]
     scale = _scale(Q, softmax_scale)
     H_kv = K.shape[-3] if K.dim() > 2 else 0
-    K, V = _query_heads(K, Q.shape[-3] if Q.dim() > 2 else 0), _query_heads(V, Q.shape[-3] if Q.dim() > 2 else 0)
+    K, V = _query_heads(K, Q), _query_heads(V, Q)
     T_r, T_c = math.ceil(N_q / B_r), math.ceil(N_k / B_c)
     shift = N_k - N_q
     D = (dO * O).sum(dim=-1)                                              # l.4: D = rowsum(dO o O)  (..., N_q)

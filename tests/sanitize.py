@@ -16,7 +16,6 @@ one, uses N = 130 only. It prints one line per tool, the output tail of any tool
 1 if any did. (pytest collects test_*.py only, so this file is not a test.)
 """
 import argparse
-import itertools
 import os
 import re
 import shutil
@@ -39,33 +38,29 @@ OPTIONS = {"memcheck": ONLY_OURS + ["--padding", "64"],  # a gap after each allo
            "racecheck": ONLY_OURS, "synccheck": ONLY_OURS, "initcheck": []}
 
 
+def problems(lengths):
+    """(N_q, N_k, H_q, H_kv, causal): equal lengths N, causal and not; then unequal lengths with grouped-query
+    attention, N_q < N_k (at N_q = 1 the split-KV kernels split 1100 keys four ways) and N_q > N_k (causal: the
+    first queries see no key)."""
+    return [(N, N, 2, 2, causal) for N in lengths for causal in (False, True)] + \
+        [(N_q, N_k, H_q, H_kv, causal) for (N_q, N_k, H_q, H_kv) in SHAPES for causal in (False, True)]
+
+
 def run_cases(lengths):
-    """Forward and backward of every available kernel, dtype and head dim on each N, causal and not."""
+    """Forward and backward of every available kernel, dtype and head dim on each problem."""
     cases, covered = 0, []
     for kn in main.list_kernels():
         if not kn["available"]:
             continue
         for dtype in kn["dtypes"]:
             for d in kn["head_dims"]:
-                for N in lengths:
-                    for causal in (False, True):
-                        # causal: (B, N, H, d) storage seen through .transpose(1, 2), read in place
-                        shape = (1, N, 2, d) if causal else (1, 2, N, d)
-                        q, k, v, do = (torch.randn(shape, device="cuda", dtype=getattr(torch, dtype))
-                                       for _ in range(4))
-                        if causal:
-                            q, k, v, do = (t.transpose(1, 2) for t in (q, k, v, do))
-                        q, k, v = (t.requires_grad_() for t in (q, k, v))
-                        o = main.flash_attention(q, k, v, causal=causal, kernel=kn["name"])
-                        grads = torch.autograd.grad(o, (q, k, v), do)
-                        assert all(torch.isfinite(t).all() for t in (o, *grads)), \
-                            f"non-finite output: {kn['name']} {dtype} d={d} N={N} causal={causal}"
-                        cases += 1
-                # unequal lengths and grouped-query attention: N_q < N_k (at N_q = 1 the split-KV kernels split
-                # 1100 keys four ways), N_q > N_k (causal: the first queries see no key)
-                for (N_q, N_k, H_q, H_kv), causal in itertools.product(SHAPES, (False, True)):
-                    q, do = (torch.randn(1, H_q, N_q, d, device="cuda", dtype=getattr(torch, dtype)) for _ in range(2))
-                    k, v = (torch.randn(1, H_kv, N_k, d, device="cuda", dtype=getattr(torch, dtype)) for _ in range(2))
+                for N_q, N_k, H_q, H_kv, causal in problems(lengths):
+                    # causal: (B, N, H, d) storage seen through .transpose(1, 2), read in place
+                    def make(H, N):
+                        x = torch.randn((1, N, H, d) if causal else (1, H, N, d), device="cuda",
+                                        dtype=getattr(torch, dtype))
+                        return x.transpose(1, 2) if causal else x
+                    q, do, k, v = make(H_q, N_q), make(H_q, N_q), make(H_kv, N_k), make(H_kv, N_k)
                     q, k, v = (t.requires_grad_() for t in (q, k, v))
                     o = main.flash_attention(q, k, v, causal=causal, kernel=kn["name"])
                     grads = torch.autograd.grad(o, (q, k, v), do)

@@ -199,11 +199,16 @@ def test_table_lines_are_a_markdown_table_whose_columns_line_up():
     assert note.endswith("| a \\| b |")  # a "|" in a note would end its cell
 
 
+def save_results(path, metadata, rows):
+    """path, holding results as bench.py saves them."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({"metadata": metadata, "rows": rows}))
+    return path
+
+
 def test_plot_from_writes_figures_and_page_and_reports_the_mismatch(tmp_path, capsys):
     metadata, rows = sample_results()
-    results = tmp_path / "docs" / "benchmarks" / "results.json"
-    results.parent.mkdir(parents=True)
-    results.write_text(json.dumps({"metadata": metadata, "rows": rows}))
+    results = save_results(tmp_path / "docs" / "benchmarks" / "results.json", metadata, rows)
     markdown = tmp_path / "docs" / "benchmarks.md"
     assert bench.cli(["--plot-from", str(results), "--markdown", str(markdown)]) == 2  # the MISMATCH row
     figures = sorted(results.parent.glob("*.png"))  # beside the results file, as no --out was given
@@ -387,9 +392,7 @@ def sample_decode_results():
 
 def test_plot_from_a_decode_file_replaces_only_the_decoding_section(tmp_path, capsys):
     metadata, rows = sample_decode_results()
-    results = tmp_path / "docs" / "benchmarks" / "decode.json"
-    results.parent.mkdir(parents=True)
-    results.write_text(json.dumps({"metadata": metadata, "rows": rows}))
+    results = save_results(tmp_path / "docs" / "benchmarks" / "decode.json", metadata, rows)
     markdown = tmp_path / "docs" / "benchmarks.md"
     before, after = "# Benchmarks\n\nThe prefill sweep's page.\n\n", "\n\n## fwd, fp16, d=64, causal\n\nits table\n"
     markdown.write_text(before + bench.DECODE_TITLE + "\n\nold numbers" + after)

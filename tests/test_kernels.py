@@ -17,24 +17,39 @@ FLOOR = {torch.float32: 1e-6, torch.float16: 1e-4, torch.bfloat16: 1e-3}
 CASES = [(k["name"], dtype, d) for k in list_kernels() if k["available"] for dtype in k["dtypes"] for d in k["head_dims"]]
 
 
+def sdpa(causal, scale=None):
+    """PyTorch's SDPA with our semantics. q, k, v of one shape: its own is_causal. Otherwise (N_q != N_k, or
+    grouped heads) k and v repeated per query head, the bottom-right causal mask as attn_mask, and 0 in rows
+    that see no key, where SDPA's softmax may give NaN."""
+    def attention(q, k, v):
+        if q.shape == k.shape:
+            return F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale)
+        k, v = (x.repeat_interleave(q.shape[1] // k.shape[1], dim=1) for x in (k, v))
+        mask = torch.ones(q.shape[2], k.shape[2], dtype=torch.bool, device=q.device).tril(k.shape[2] - q.shape[2])
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask if causal else None, scale=scale).nan_to_num(0.0)
+    return attention
+
+
 def check(kernel, q, k, v, do, causal, scale=None):
-    """Compare kernel and SDPA (same dtype) with float64; the kernel may err 3x as much as SDPA."""
+    """Compare kernel and SDPA (same dtype) with float64; the kernel may err 3x as much as SDPA. q (B, H_q, N_q,
+    d), k, v (B, H_kv, N_k, d)."""
     ref = outputs(lambda q, k, v: reference.attention(q, k, v, causal, scale), q.double(), k.double(), v.double(), do.double())
     ours = outputs(lambda q, k, v: flash_attention(q, k, v, causal=causal, softmax_scale=scale, kernel=kernel), q, k, v, do)
-    sdpa = outputs(lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale), q, k, v, do)
-    for name, x, s, r in zip(["O", "dQ", "dK", "dV"], ours, sdpa, ref):
-        assert x.shape == r.shape and x.dtype == q.dtype, f"{name}: shape {x.shape} dtype {x.dtype}"
-        assert torch.isfinite(x).all(), f"{name} has non-finite values"
+    theirs = [x.nan_to_num(0.0) for x in outputs(sdpa(causal, scale), q, k, v, do)]
+    where = f"kernel={kernel}, q {tuple(q.shape)}, k {tuple(k.shape)}, causal={causal}"
+    for name, x, s, r in zip(["O", "dQ", "dK", "dV"], ours, theirs, ref):
+        assert x.shape == r.shape and x.dtype == q.dtype, f"{name}: shape {x.shape} dtype {x.dtype} ({where})"
+        assert torch.isfinite(x).all(), f"{name} has non-finite values ({where})"
         if not r.any():
             # Exactly 0 in float64 (N = 1: one key, so dQ = dK = 0). What a kernel returns is the fp32 rounding
             # of dP_ij - D_i, two dot products of length d that are equal in exact arithmetic: allow FLOOR per term.
             bound = FLOOR[q.dtype] * q.shape[-1]
             assert x.abs().max() <= bound, \
-                f"{name}: largest entry {x.abs().max():.2e} > {bound:.1e} where float64 gives 0 (kernel={kernel}, shape={tuple(q.shape)})"
+                f"{name}: largest entry {x.abs().max():.2e} > {bound:.1e} where float64 gives 0 ({where})"
             continue
         err, err_sdpa = rel_err(x, r), rel_err(s, r)
-        assert err <= 3 * err_sdpa + FLOOR[q.dtype], \
-            f"{name}: relative error {err:.2e} vs SDPA's {err_sdpa:.2e} (kernel={kernel}, shape={tuple(q.shape)}, causal={causal})"
+        assert err <= 3 * err_sdpa + FLOOR[q.dtype], f"{name}: relative error {err:.2e} vs SDPA's {err_sdpa:.2e} ({where})"
+    return ours
 
 
 @pytest.mark.parametrize("causal", [False, True])

@@ -6,7 +6,6 @@ Skipped, visibly, without a CUDA GPU (the fake implementations are checked on th
 import pytest
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 
 import main
 import reference
