@@ -27,7 +27,7 @@ import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import reference
-from main import build, flash_attention, list_kernels, time_ms
+from main import build, flash_attention, list_kernels, tile_dim, time_ms
 
 # FlashAttention's own benchmark shapes: tokens (B*N) and model width (H*d) stay fixed as N and d grow.
 TOKENS, WIDTH = 16384, 2048
@@ -249,7 +249,7 @@ def fitting_kernels(kernels, dtype, d):
     """The names of our kernels that run dtype ("fp16", ...) with head dim d on this GPU."""
     torch_dtype = str(DTYPES[dtype]).removeprefix("torch.")  # as list_kernels() names it: float16, ...
     return {name for name, kernel in kernels.items()
-            if kernel["available"] and torch_dtype in kernel["dtypes"] and d in kernel["head_dims"]}
+            if kernel["available"] and torch_dtype in kernel["dtypes"] and d <= max(kernel["head_dims"])}
 
 
 def bench_problem(problem, kernels, args, peak):
@@ -342,7 +342,7 @@ def bench_decode_problem(problem, kernels, args, peak):
     yield from add_bandwidth(rows, peak)
 
 
-def prepare(args, command, shapes, **extra):
+def prepare(args, command, shapes, head_dims, **extra):
     """Set up a run and describe it: float32 matmuls really float32, our kernels built; returns {name: info}
     of our kernels and the run's metadata."""
     torch.backends.cuda.matmul.allow_tf32 = False  # manual attention must really be float32 in fp32 rows
@@ -351,7 +351,8 @@ def prepare(args, command, shapes, **extra):
     kernels = {info["name"]: info for info in list_kernels()}
     for name in (name for name in args.systems if name in kernels and not kernels[name]["available"]):
         print(f"note: kernel {name} needs {kernels[name]['gpus']}; skipped on this GPU")
-    build([name for name in args.systems if name in kernels and kernels[name]["available"]])  # in parallel, first
+    build([name for name in args.systems if name in kernels and kernels[name]["available"]],  # in parallel, first
+          [tile_dim(name, d) for name in kernels for d in head_dims if d <= max(kernels[name]["head_dims"])])
     timer = (f"triton {importlib.metadata.version('triton')} do_bench" if importlib.util.find_spec("triton")
              else "CUDA events, L2 flushed")  # what main.time_ms uses
     major, minor = torch.cuda.get_device_capability()
@@ -366,7 +367,7 @@ def prepare(args, command, shapes, **extra):
 
 def run_sweep(args, command):
     """Run every requested problem; print its rows as it completes."""
-    kernels, metadata = prepare(args, command, f"B={args.batch or '16384//N'}, H={args.heads or '2048//d'}")
+    kernels, metadata = prepare(args, command, f"B={args.batch or '16384//N'}, H={args.heads or '2048//d'}", args.d)
     print(*table_lines([]), sep="\n")
     rows = []
     for dtype, d, causal, seqlen in itertools.product(args.dtype, args.d, args.causal, args.seqlens):
@@ -380,7 +381,8 @@ def run_sweep(args, command):
 
 def run_decode(args, command):
     """Run every requested decoding problem, one K, V cache at a time; print its rows as it completes."""
-    kernels, metadata = prepare(args, command, f"H_q={DECODE_HEADS}, d={DECODE_HEAD_DIM}, N_q=1", sweep="decode")
+    kernels, metadata = prepare(args, command, f"H_q={DECODE_HEADS}, d={DECODE_HEAD_DIM}, N_q=1", [DECODE_HEAD_DIM],
+                                sweep="decode")
     print(*table_lines([], DECODE_COLUMNS), sep="\n")
     rows = []
     for dtype, batch, seqlen_k, kv_heads in itertools.product(args.dtype, args.decode_batch, args.decode_seqlens,

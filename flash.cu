@@ -59,7 +59,8 @@
 struct KernelSpec {
   const char* name;      // kernel= in main.py; also the extension built for it
   const char* dtypes;    // input dtypes, space-separated
-  int head_dims[6];      // the values of d it is compiled for (0 ends the list)
+  int head_dims[8];      // the tile widths it is compiled for (0 ends the list): main.py runs any d <= 256 on
+                         // the narrowest that holds it, the columns past d padded with zeros
   int min_arch;          // the oldest GPU it runs on, 10 * major + minor
   bool sm90a;            // uses sm_90a's own instructions (wgmma, setmaxnreg): runs on sm_90 alone
   bool split_kv;         // decodes (N_q <= SPLIT_KV_MAX_QUERIES) with flash_decode, split over the keys
@@ -67,15 +68,15 @@ struct KernelSpec {
   const char* about;
 };
 [[maybe_unused]] constexpr KernelSpec KERNELS[] = {  // ([[maybe_unused]]: NVRTC compiles kernels alone)
-    {"fp32", "float32", {16, 32, 64, 96, 128}, 70, false, false, "fp32",
+    {"fp32", "float32", {16, 32, 64, 96, 128, 160, 192, 256}, 70, false, false, "fp32",
      "FlashAttention-2 on CUDA cores, fp32"},
-    {"volta", "float16", {64, 128}, 70, false, false, "fp32",
+    {"volta", "float16", {32, 64, 128}, 70, false, false, "fp32",
      "Volta tensor cores: mma.m8n8k4 in four quad pairs, P_ij through shared memory"},
-    {"turing", "float16", {64, 128}, 75, false, false, "fp32",
+    {"turing", "float16", {32, 64, 128}, 75, false, false, "fp32",
      "Turing tensor cores: mma.m16n8k8, ldmatrix, synchronous loads, 64 KB of shared memory"},
-    {"ampere", "float16 bfloat16", {64, 128}, 80, false, true, "ampere",
+    {"ampere", "float16 bfloat16", {32, 64, 96, 128, 160, 192, 256}, 80, false, true, "ampere",
      "FlashAttention-2 on tensor cores: mma.m16n8k16, ldmatrix, cp.async"},
-    {"hopper", "float16 bfloat16", {64, 128}, 90, true, true, "hopper",
+    {"hopper", "float16 bfloat16", {32, 64, 96, 128, 160, 192, 256}, 90, true, true, "hopper",
      "Hopper: TMA, wgmma, producer and consumer warpgroups (sm_90a)"},
 };
 
@@ -105,6 +106,7 @@ struct Rows {
     return {ptr + blockIdx.z * stride_b + blockIdx.y / group * stride_h, stride_b, stride_h, stride_n};
   }
   __device__ T* at(int r) const { return ptr + (int64_t)r * stride_n; }
+  __device__ Rows cols(int c0) const { return {ptr + c0, stride_b, stride_h, stride_n}; }  // columns c0 ..
 };
 // This block's query head among the B * H_q, for the tensors the kernels allocate themselves (L, D
 // (B, H_q, N_q) and dQ (B, H_q, N_q, d)), which are contiguous.
@@ -870,34 +872,42 @@ __device__ void atomic_add_pair(float* dst, float x, float y) {
 // against ldmatrix bank conflicts, as in the Turing kernel), zero-filling rows at or past N.
 template <int rows, int d, int n_threads, typename T>
 __device__ void cp_async_tile(T* dst, Rows<const T> src, int row0, int N) {
-  constexpr int pieces = d / 8, step = n_threads / pieces;  // 16-byte pieces per row; rows per pass
-  static_assert(n_threads % pieces == 0 && rows % step == 0, "every thread copies the same pieces of each pass");
-  const int c = 8 * (threadIdx.x % pieces);
+  constexpr int pieces = d / 8, step = n_threads / pieces;  // 16-byte pieces per row; whole rows per pass
+  if constexpr (n_threads % pieces == 0) {  // each thread copies the same pieces of rows step apart
 #pragma unroll  // a fixed trip count: no loop, no branch left in the SASS
-  for (int k = 0; k < rows / step; k++) {
-    const int r = threadIdx.x / pieces + k * step;
-    const bool in_bounds = row0 + r < N;
-    cp_async_16(&dst[r * (d + 8) + c], src.at(in_bounds ? row0 + r : 0) + c, in_bounds);
+    for (int k = 0; k < rows / step; k++) {
+      const int r = threadIdx.x / pieces + k * step, c = 8 * (threadIdx.x % pieces);
+      const bool in_bounds = row0 + r < N;
+      cp_async_16(&dst[r * (d + 8) + c], src.at(in_bounds ? row0 + r : 0) + c, in_bounds);
+    }
+  } else {  // (d = 96, 160: rows of 12, 20 pieces) thread x copies pieces x, x + n_threads, ... of the tile
+#pragma unroll
+    for (int x = threadIdx.x; x < rows * pieces; x += n_threads) {
+      const int r = x / pieces, c = 8 * (x % pieces);
+      const bool in_bounds = row0 + r < N;
+      cp_async_16(&dst[r * (d + 8) + c], src.at(in_bounds ? row0 + r : 0) + c, in_bounds);
+    }
   }
 }
 
 // fp16/bf16 forward on Ampere tensor cores (sm_80+): FlashAttention-2, Algorithm 1.
 // The Turing kernel's fragments, with one m16n8k16 where Turing issues two m16n8k8, and two changes for
 // speed. cp.async: K_j and V_j stream through two shared-memory stages, block j+1 arriving while block j is
-// multiplied. And each warp owns 32 rows of Q_i, two 16-row tiles (m = 0, 1), so that every K_j or V_j
+// multiplied. And each warp owns M = 2 tiles of 16 rows of Q_i (m = 0, 1), so that every K_j or V_j
 // fragment read from shared memory feeds two mma instead of one. An SM's shared memory delivers 128 bytes
 // per clock, one ldmatrix.x4 (512 bytes) per 4 clocks: with one mma per fragment it, not the tensor cores,
-// set the pace (docs/gpu-generations.md has the measurements).
+// set the pace (docs/gpu-generations.md has the measurements). Past d = 128 the M * d/2 registers of O_i
+// per thread leave room for one tile only (M = 1: 128 registers at d = 256).
 // Q_i's fragments (64 registers at d = 128) no longer fit beside O_i: each is read from shared memory once
-// per k slice and used by B_c/8 mma. Grid (T_r, H_q, B); NW warps, B_r = 32*NW; warp w owns rows 32w ..
-// 32w+31. Per warp, tile m and block j (nt: 8-column tile, kk: 16-wide k slice):
+// per k slice and used by B_c/8 mma. Grid (T_r, H_q, B); NW warps, B_r = 16*M*NW; warp w owns rows 16Mw ..
+// 16Mw+16M-1. Per warp, tile m and block j (nt: 8-column tile, kk: 16-wide k slice):
 //   S_ij (16, B_c)  = Q_i (16, d) K_j^T (d, B_c)    d/16 x B_c/8 mma, S[m][nt][4]
 //   O_i  (16, d)   += P_ij (16, B_c) V_j (B_c, d)   B_c/16 x d/8 mma, O_i[m][nt][4]
-template <typename T, int d, int NW, int B_c>
+template <typename T, int d, int NW, int B_c, int M>
 __global__ void __launch_bounds__(NW * 32)
 flash_fwd_ampere(Rows<const T> Q, Rows<const T> K, Rows<const T> V, Rows<T> O, float* __restrict__ L, Mask mask,
                  int group, float scale_log2) {
-  constexpr int B_r = 32 * NW, ld = d + 8;
+  constexpr int B_r = 16 * M * NW, ld = d + 8;
   extern __shared__ __align__(16) unsigned char smem_raw[];
   T* Q_s = reinterpret_cast<T*>(smem_raw);  // Q_i           (B_r, d)    row stride ld
   T* K_s = Q_s + B_r * ld;                  // K_j, 2 stages (2, B_c, d) row stride ld
@@ -907,15 +917,16 @@ flash_fwd_ampere(Rows<const T> Q, Rows<const T> K, Rows<const T> V, Rows<T> O, f
   Q = Q.head(), K = K.head(group), V = V.head(group), O = O.head();
   L += head_index() * N_q;
   const int j_end = mask.key_blocks(row0, B_r, B_c);
-  const T* Q_w = Q_s + 32 * warp * ld;  // this warp's 32 rows of Q_i
-  const int r = row0 + 32 * warp + g;   // this lane's rows: r + 16m and r + 16m + 8 in tile m
+  const T* Q_w = Q_s + 16 * M * warp * ld;  // this warp's 16M rows of Q_i
+  const int r = row0 + 16 * M * warp + g;   // this lane's rows: r + 16m and r + 16m + 8 in tile m
 
   cp_async_tile<B_r, d, NW * 32>(Q_s, Q, row0, N_q);                      // l.4: load Q_i
   cp_async_tile<B_c, d, NW * 32>(K_s, K, 0, N_k);                         // l.7 for j = 0
   cp_async_tile<B_c, d, NW * 32>(V_s, V, 0, N_k);
   cp_async_commit();
 
-  float O_i[2][d / 8][4] = {}, m_i[2][2] = {{M_START, M_START}, {M_START, M_START}}, l_i[2][2] = {};  // l.5
+  float O_i[M][d / 8][4] = {}, m_i[M][2], l_i[M][2] = {};                  // l.5
+  for (int m = 0; m < M; m++) m_i[m][0] = m_i[m][1] = M_START;
   for (int j = 0; j < j_end; j++) {                                         // l.6
     const T* K_j = K_s + (j % 2) * B_c * ld;
     const T* V_j = V_s + (j % 2) * B_c * ld;
@@ -927,21 +938,21 @@ flash_fwd_ampere(Rows<const T> Q, Rows<const T> K, Rows<const T> V, Rows<T> O, f
     cp_async_wait<1>();  // everything but the newest group has landed: K_j and V_j (and Q_i)
     __syncthreads();     // ... for every thread's copies
 
-    float S[2][B_c / 8][4] = {};                                            // l.8: S_ij = Q_i K_j^T
+    float S[M][B_c / 8][4] = {};                                            // l.8: S_ij = Q_i K_j^T
 #pragma unroll  // (every loop over fragments must unroll, or the arrays they index go to local memory)
     for (int kk = 0; kk < d / 16; kk++) {
-      uint32_t Q_frag[2][4];  // A fragments of tiles m = 0, 1 (addresses as in the Turing kernel)
-      for (int m = 0; m < 2; m++) ldmatrix_x4(Q_frag[m], &Q_w[(16 * m + lane % 16) * ld + 16 * kk + 8 * (lane / 16)]);
+      uint32_t Q_frag[M][4];  // A fragments of tiles m < M (addresses as in the Turing kernel)
+      for (int m = 0; m < M; m++) ldmatrix_x4(Q_frag[m], &Q_w[(16 * m + lane % 16) * ld + 16 * kk + 8 * (lane / 16)]);
       for (int nt = 0; nt < B_c / 8; nt += 2) {
-        uint32_t b[4];  // B fragments of keys 8nt .. 8nt+15 (addresses as in the Turing kernel), used twice
+        uint32_t b[4];  // B fragments of keys 8nt .. 8nt+15 (addresses as in the Turing kernel), used M times
         ldmatrix_x4(b, &K_j[(8 * nt + lane % 8 + 8 * (lane / 16)) * ld + 16 * kk + 8 * (lane / 8 % 2)]);
-        for (int m = 0; m < 2; m++)
+        for (int m = 0; m < M; m++)
           mma_m16n8k16<T>(S[m][nt], Q_frag[m], b[0], b[1]), mma_m16n8k16<T>(S[m][nt + 1], Q_frag[m], b[2], b[3]);
       }
     }
     const bool masked = mask.any(row0, B_r, j * B_c, B_c);  // any masked entry in the block?
 #pragma unroll
-    for (int m = 0; m < 2; m++) {  // l.9, and the rescaling of O_i in l.10
+    for (int m = 0; m < M; m++) {  // l.9, and the rescaling of O_i in l.10
       float alpha[2];
       mask_and_scale<B_c>(S[m], {r + 16 * m, r + 16 * m + 8}, j * B_c + 2 * t, mask, masked, scale_log2);
       update_row_max<B_c>(S[m], m_i[m], l_i[m], alpha);
@@ -949,22 +960,22 @@ flash_fwd_ampere(Rows<const T> Q, Rows<const T> K, Rows<const T> V, Rows<T> O, f
     }
 #pragma unroll
     for (int kk = 0; kk < B_c / 16; kk++) {                                 // l.10: O_i += P_ij V_j
-      uint32_t P_frag[2][4];  // the S accumulators of tiles 2kk, 2kk+1 are the A fragment of slice kk
-      for (int m = 0; m < 2; m++) {
+      uint32_t P_frag[M][4];  // the S accumulators of tiles 2kk, 2kk+1 are the A fragment of slice kk
+      for (int m = 0; m < M; m++) {
         exp_and_pack<T>(P_frag[m][0], P_frag[m][1], S[m][2 * kk], m_i[m], l_i[m]);      // keys 16kk .. +7
         exp_and_pack<T>(P_frag[m][2], P_frag[m][3], S[m][2 * kk + 1], m_i[m], l_i[m]);  // keys 16kk+8 .. +15
       }
       for (int nt = 0; nt < d / 8; nt += 2) {
         uint32_t b[4];  // B fragments of V_j, transposed on the way (addresses as in the Turing kernel)
         ldmatrix_x4_trans(b, &V_j[(16 * kk + lane % 8 + 8 * (lane / 8 % 2)) * ld + 8 * nt + 8 * (lane / 16)]);
-        for (int m = 0; m < 2; m++)
+        for (int m = 0; m < M; m++)
           mma_m16n8k16<T>(O_i[m][nt], P_frag[m], b[0], b[1]), mma_m16n8k16<T>(O_i[m][nt + 1], P_frag[m], b[2], b[3]);
       }
     }
     __syncthreads();  // every warp is done with stage j % 2 before iteration j+1 refills it
   }
 #pragma unroll
-  for (int m = 0; m < 2; m++) write_O_L<T, d>(O_i[m], m_i[m], l_i[m], O, L, r + 16 * m, t, N_q);  // l.12-15
+  for (int m = 0; m < M; m++) write_O_L<T, d>(O_i[m], m_i[m], l_i[m], O, L, r + 16 * m, t, N_q);  // l.12-15
 }
 
 // ------------------------------------------------------------------------------------------------------
@@ -977,18 +988,22 @@ flash_fwd_ampere(Rows<const T> Q, Rows<const T> K, Rows<const T> V, Rows<T> O, f
 //   S_ij^T  (16, B_r) = K_j Q_i^T        dP_ij^T (16, B_r) = V_j dO_i^T
 //   dV_j    (16, d)  += P_ij^T dO_i       dK_j    (16, d)  += dS_ij^T Q_i
 // Working with transposes lets P_ij^T and dS_ij^T go from accumulators straight into the next product.
+// Past d = 128, dK_j and dV_j (d registers per thread) no longer fit beside the products: the grid has two
+// blocks per key block, each writing DC = d/2 columns of dK_j, dV_j and dQ_i. Both compute all of S_ij and
+// dP_ij (their dot products run over all d), so the backward does 7 block products where it did 5.
 // dQ_i = dS_ij K_j sums over all the block's keys, i.e. over warps: dS_ij^T goes through shared memory,
-// each warp computes one (16, d/CW) piece of dQ_i and adds it into an fp32 dQ with atomics (see the fp32
+// each warp computes one (16, DC/CW) piece of dQ_i and adds it into an fp32 dQ with atomics (see the fp32
 // backward for why atomics); main.py converts dQ to the input dtype at the end. L_i and D_i travel with
 // Q_i and dO_i: read from global memory where they are used, they cost each thread 64 loads per block that
 // its warp then waited for (Nsight Compute; docs/gpu-generations.md).
-template <typename T, int d, int B_r, int NW>
+template <typename T, int d, int B_r, int NW, int DC>
 __global__ void __launch_bounds__(NW * 32)
 flash_bwd_ampere(Rows<const T> Q, Rows<const T> K, Rows<const T> V, Rows<const T> dO, const float* __restrict__ L,
                  const float* __restrict__ D, float* __restrict__ dQ, Rows<T> dK, Rows<T> dV, Mask mask, int group,
                  float scale) {
   constexpr int B_c = 16 * NW, ld = d + 8, ldS = B_r + 8;
   constexpr int MT = B_r / 16, CW = NW / MT;  // dQ_i: MT row tiles x CW column groups, one per warp
+  static_assert(DC / CW % 16 == 0, "each warp's columns of dQ_i are pairs of 8-column tiles");
   extern __shared__ __align__(16) unsigned char smem_raw[];
   T* K_s = reinterpret_cast<T*>(smem_raw);  // K_j               (B_c, d)      row stride ld
   T* V_s = K_s + B_c * ld;                  // V_j               (B_c, d)      row stride ld
@@ -998,7 +1013,8 @@ flash_bwd_ampere(Rows<const T> Q, Rows<const T> K, Rows<const T> V, Rows<const T
   float* L_s = reinterpret_cast<float*>(dS_s + B_c * ldS);  // L_i, 2 stages  (2, B_r)
   float* D_s = L_s + 2 * B_r;                               // D_i, 2 stages  (2, B_r)
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
-  const int j = blockIdx.x, col0 = j * B_c, N_q = mask.N_q, N_k = mask.N_k;
+  const int j = blockIdx.x / (d / DC), col0 = j * B_c, N_q = mask.N_q, N_k = mask.N_k;
+  const int n0 = blockIdx.x % (d / DC) * DC;  // this block's columns of dK_j, dV_j and dQ_i: n0 .. n0+DC-1
   Q = Q.head(), K = K.head(group), V = V.head(group), dO = dO.head(), dK = dK.head(), dV = dV.head();
   L += head_index() * N_q, D += head_index() * N_q, dQ += head_index() * N_q * d;
   const float scale_log2 = scale * LOG2E;
@@ -1019,7 +1035,7 @@ flash_bwd_ampere(Rows<const T> Q, Rows<const T> K, Rows<const T> V, Rows<const T
   cp_async_tile<B_c, d, NW * 32>(V_s, V, col0, N_k);
   load_i(i_start, 0);
   cp_async_commit();
-  float dK_j[d / 8][4] = {}, dV_j[d / 8][4] = {};                          // l.7: dK_j = dV_j = 0
+  float dK_j[DC / 8][4] = {}, dV_j[DC / 8][4] = {};                        // l.7: dK_j = dV_j = 0
 
   for (int i = i_start; i < T_r; i++) {                                     // l.8
     const int row0 = i * B_r, stage = (i - i_start) % 2;
@@ -1071,19 +1087,19 @@ flash_bwd_ampere(Rows<const T> Q, Rows<const T> K, Rows<const T> V, Rows<const T
         *reinterpret_cast<uint32_t*>(&dS_s[c * ldS + 16 * kk + 8 + 2 * t]) = dS_frag[2 + h];
       }
 #pragma unroll
-      for (int nt = 0; nt < d / 8; nt += 2) {  // B fragments: queries 16kk.., dims 8nt.. (as V_j in the forward)
+      for (int nt = 0; nt < DC / 8; nt += 2) {  // B fragments: queries 16kk.., dims n0 + 8nt.. (as V_j in the forward)
         uint32_t o[4], q[4];
-        ldmatrix_x4_trans(o, &dO_i[(16 * kk + lane % 8 + 8 * (lane / 8 % 2)) * ld + 8 * nt + 8 * (lane / 16)]);
-        ldmatrix_x4_trans(q, &Q_i[(16 * kk + lane % 8 + 8 * (lane / 8 % 2)) * ld + 8 * nt + 8 * (lane / 16)]);
+        ldmatrix_x4_trans(o, &dO_i[(16 * kk + lane % 8 + 8 * (lane / 8 % 2)) * ld + n0 + 8 * nt + 8 * (lane / 16)]);
+        ldmatrix_x4_trans(q, &Q_i[(16 * kk + lane % 8 + 8 * (lane / 8 % 2)) * ld + n0 + 8 * nt + 8 * (lane / 16)]);
         mma_m16n8k16<T>(dV_j[nt], P_frag, o[0], o[1]), mma_m16n8k16<T>(dV_j[nt + 1], P_frag, o[2], o[3]);
         mma_m16n8k16<T>(dK_j[nt], dS_frag, q[0], q[1]), mma_m16n8k16<T>(dK_j[nt + 1], dS_frag, q[2], q[3]);
       }
     }
     __syncthreads();  // all of dS_ij^T is in shared memory: dQ_i needs every warp's keys
 
-    // l.15: dQ_i += dS_ij K_j. Warp w: queries 16*(w % MT) .. +15, dims (w / MT) * d/CW .. + d/CW.
-    const int m0 = 16 * (warp % MT), n0 = (warp / MT) * (d / CW);
-    float dQ_i[d / CW / 8][4] = {};
+    // l.15: dQ_i += dS_ij K_j. Warp w: queries 16*(w % MT) .. +15, dims n0 + (w / MT) * DC/CW .. + DC/CW.
+    const int m0 = 16 * (warp % MT), c0 = n0 + (warp / MT) * (DC / CW);
+    float dQ_i[DC / CW / 8][4] = {};
 #pragma unroll
     for (int kk = 0; kk < B_c / 16; kk++) {
       // A fragment of dS_ij (queries m0.., keys 16kk..) read transposed from dS_ij^T: lane l points at
@@ -1091,9 +1107,9 @@ flash_bwd_ampere(Rows<const T> Q, Rows<const T> K, Rows<const T> V, Rows<const T
       uint32_t a[4];
       ldmatrix_x4_trans(a, &dS_s[(16 * kk + lane % 8 + 8 * (lane / 16)) * ldS + m0 + 8 * (lane / 8 % 2)]);
 #pragma unroll
-      for (int nt = 0; nt < d / CW / 8; nt += 2) {  // B fragments of K_j: keys 16kk.., dims n0 + 8nt..
+      for (int nt = 0; nt < DC / CW / 8; nt += 2) {  // B fragments of K_j: keys 16kk.., dims c0 + 8nt..
         uint32_t b[4];
-        ldmatrix_x4_trans(b, &K_s[(16 * kk + lane % 8 + 8 * (lane / 8 % 2)) * ld + n0 + 8 * nt + 8 * (lane / 16)]);
+        ldmatrix_x4_trans(b, &K_s[(16 * kk + lane % 8 + 8 * (lane / 8 % 2)) * ld + c0 + 8 * nt + 8 * (lane / 16)]);
         mma_m16n8k16<T>(dQ_i[nt], a, b[0], b[1]), mma_m16n8k16<T>(dQ_i[nt + 1], a, b[2], b[3]);
       }
     }
@@ -1102,13 +1118,13 @@ flash_bwd_ampere(Rows<const T> Q, Rows<const T> K, Rows<const T> V, Rows<const T
       const int r = row0 + m0 + g + 8 * h;
       if (r < N_q)
 #pragma unroll
-        for (int nt = 0; nt < d / CW / 8; nt++)
-          atomic_add_pair(&dQ[(size_t)r * d + n0 + 8 * nt + 2 * t], scale * dQ_i[nt][2 * h], scale * dQ_i[nt][2 * h + 1]);
+        for (int nt = 0; nt < DC / CW / 8; nt++)
+          atomic_add_pair(&dQ[(size_t)r * d + c0 + 8 * nt + 2 * t], scale * dQ_i[nt][2 * h], scale * dQ_i[nt][2 * h + 1]);
     }
     __syncthreads();  // every warp is done with Q_s, dO_s stage and dS_s before the next block refills them
   }
-  store_rows<T, d>(dK, dK_j, col0 + 16 * warp + g, t, N_k, scale);        // l.18: write dK_j, dV_j
-  store_rows<T, d>(dV, dV_j, col0 + 16 * warp + g, t, N_k, 1.f);
+  store_rows<T, DC>(dK.cols(n0), dK_j, col0 + 16 * warp + g, t, N_k, scale);  // l.18: write dK_j, dV_j
+  store_rows<T, DC>(dV.cols(n0), dV_j, col0 + 16 * warp + g, t, N_k, 1.f);
 }
 
 // ------------------------------------------------------------------------------------------------------
@@ -1279,7 +1295,7 @@ flash_decode(Rows<const T> Q, Rows<const T> K, Rows<const T> V, Rows<T> O, float
 // Split-KV, the second kernel: each query row's O and L from the parts of the splits, by their L
 // (reference.merge; notebook 03 proves the rule):  L = log sum_s e^(L_s),  O = sum_s e^(L_s - L) O_s.
 // A split that saw no key of a row has L_s = -inf and weighs 0. One warp per row of the n_rows = B * H_q * N_q,
-// lane l holding columns 64k + 2l, +1; O_part (splits, B, H_q, N_q, d) and L_part (splits, B, H_q, N_q), fp32.
+// lane l holding columns 64k + 2l, +1 (those below d); O_part (splits, B, H_q, N_q, d) and L_part (splits, B, H_q, N_q), fp32.
 // Decoding has few rows and many splits: the lanes share out the splits for L, and the loop over the splits
 // for O is unrolled, so that several loads are in flight at once rather than one after the other.
 template <typename T, int d>
@@ -1295,18 +1311,21 @@ __global__ void flash_merge_splits(const float* __restrict__ O_part, const float
     for (int s = lane; s < splits; s += 32) sum += expf(L_part[s * n_rows + q] - L_max);
   for (int off = 16; off > 0; off /= 2) sum += __shfl_xor_sync(~0u, sum, off);
   const float L_q = L_max + logf(sum);  // -inf if no split saw a key
-  float o[d / 64][2] = {};
+  constexpr int K = (d + 63) / 64;
+  float o[K][2] = {};
 #pragma unroll 8
   for (int s = 0; s < splits; s++) {
     const float w = L_max > -INFINITY ? expf(L_part[s * n_rows + q] - L_q) : 0.f;  // e^(L_s - L)
-    for (int k = 0; k < d / 64; k++) {
+    for (int k = 0; k < K; k++) {
+      if (64 * k + 2 * lane >= d) break;
       const float2 x = *reinterpret_cast<const float2*>(&O_part[(s * n_rows + q) * d + 64 * k + 2 * lane]);
       o[k][0] += w * x.x, o[k][1] += w * x.y;
     }
   }
   const int n = q % N_q, h = q / N_q % H_q, b = q / N_q / H_q;
   T* O_r = O.ptr + b * O.stride_b + h * O.stride_h + n * O.stride_n;
-  for (int k = 0; k < d / 64; k++) *reinterpret_cast<uint32_t*>(O_r + 64 * k + 2 * lane) = pack<T>(o[k][0], o[k][1]);
+  for (int k = 0; k < K && 64 * k + 2 * lane < d; k++)
+    *reinterpret_cast<uint32_t*>(O_r + 64 * k + 2 * lane) = pack<T>(o[k][0], o[k][1]);
   if (lane == 0) L[q] = L_q;
 }
 
@@ -1324,9 +1343,11 @@ __global__ void flash_merge_splits(const float* __restrict__ O_part, const float
 //   S_ij straight into O_i += P_ij V_j, as on Ampere.
 // - Warp specialisation: one warpgroup only loads (the producer) and hands most of its registers to the
 //   warpgroups that only compute (the consumers) with setmaxnreg.
-// Shared memory holds each tile as d/64 panels of (rows, 64): 128 bytes per row, and within each 1024-byte
-// group of 8 rows the 16-byte piece c of row r sits at piece c ^ (r % 8) (TMA's and wgmma's 128-byte
-// swizzle), so the 8 rows of a 16-byte column fall in 8 different bank groups. A descriptor gives a
+// Shared memory holds each tile as panels(d) = d/64, rounded up, panels of (rows, 64): 128 bytes per row,
+// and within each 1024-byte group of 8 rows the 16-byte piece c of row r sits at piece c ^ (r % 8) (TMA's and
+// wgmma's 128-byte swizzle), so the 8 rows of a 16-byte column fall in 8 different bank groups. At d = 32, 96
+// and 160 the last panel is half full: TMA fills its columns past d with zeros, and the products read only
+// the first d columns (a k loop of d/16 slices; an n of d in pieces, wgmma_ss_cols). A descriptor gives a
 // panel's start address, SBO = 1024 (bytes from one group of 8 rows to the next) and, for an operand that
 // spans two panels along n, LBO (bytes from one panel to the next).
 #ifndef __CUDACC_RTC__  // NVRTC (the sm_70 check) compiles the sections above only
@@ -1339,6 +1360,8 @@ __global__ void flash_merge_splits(const float* __restrict__ O_part, const float
 #define SM90A 1
 #endif
 
+__host__ __device__ constexpr int panels(int d) { return (d + 63) / 64; }
+template <int v> using Int = std::integral_constant<int, v>;  // a compile-time int passed as a value
 __device__ inline uint32_t smem_addr(const void* p) { return static_cast<uint32_t>(__cvta_generic_to_shared(p)); }
 
 // An mbarrier counts arrivals and transaction bytes; its phase completes when the expected arrivals have
@@ -1391,9 +1414,11 @@ __device__ inline void wgmma_wait(float (&... acc)[tiles][4]) {
 }
 
 #define ACC4(i) "+f"(acc[i][0]), "+f"(acc[i][1]), "+f"(acc[i][2]), "+f"(acc[i][3])
-#define ACC_N32 ACC4(0), ACC4(1), ACC4(2), ACC4(3)
+#define ACC_N16 ACC4(0), ACC4(1)
+#define ACC_N32 ACC_N16, ACC4(2), ACC4(3)
 #define ACC_N64 ACC_N32, ACC4(4), ACC4(5), ACC4(6), ACC4(7)
 #define ACC_N128 ACC_N64, ACC4(8), ACC4(9), ACC4(10), ACC4(11), ACC4(12), ACC4(13), ACC4(14), ACC4(15)
+#define REGS_N16 "{%0, %1, %2, %3, %4, %5, %6, %7}"
 #define REGS_N32 "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15}"
 #define REGS_N64 "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, " \
                  "%20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}"
@@ -1403,7 +1428,7 @@ __device__ inline void wgmma_wait(float (&... acc)[tiles][4]) {
                   "%56, %57, %58, %59, %60, %61, %62, %63}"
 
 // C (64, n) = A (64, 16) B (16, n), or C += A B when accumulate: for (m, c): C[m][c] (+)= sum_k A[m][k] * B[k][c],
-// k < 16, fp32 sums, n = 32, 64 or 128. A and B in shared memory, K-major (contiguous along k: Q_i and K_j as
+// k < 16, fp32 sums, n = 16, 32, 64 or 128. A and B in shared memory, K-major (contiguous along k: Q_i and K_j as
 // stored, for S_ij = Q_i K_j^T) unless transposed: trans_a = 1, A is M-major (contiguous along m: dS_ij^T as
 // stored, for dS_ij); trans_b = 1, B is N-major (contiguous along n: K_j as stored, for dS_ij K_j).
 // Lane (warp w, g, t) holds C[16w + g (+8)][8nt + 2t (+1)].
@@ -1414,6 +1439,8 @@ __device__ inline void wgmma_ss(float (&acc)[n / 8][4], uint64_t a, uint64_t b, 
                "k16.f32." TY "." TY " " REGS ", " OPS "; }"                                                \
                : ACC : "l"(a), "l"(b), "r"(int(accumulate)), "n"(trans_a), "n"(trans_b))
   constexpr bool half = std::is_same_v<T, __half>;
+  if constexpr (n == 16 && half) WGMMA_SS("16", "f16", REGS_N16, "%10", "%8, %9, p, 1, 1, %11, %12", ACC_N16);
+  if constexpr (n == 16 && !half) WGMMA_SS("16", "bf16", REGS_N16, "%10", "%8, %9, p, 1, 1, %11, %12", ACC_N16);
   if constexpr (n == 32 && half) WGMMA_SS("32", "f16", REGS_N32, "%18", "%16, %17, p, 1, 1, %19, %20", ACC_N32);
   if constexpr (n == 32 && !half) WGMMA_SS("32", "bf16", REGS_N32, "%18", "%16, %17, p, 1, 1, %19, %20", ACC_N32);
   if constexpr (n == 64 && half) WGMMA_SS("64", "f16", REGS_N64, "%34", "%32, %33, p, 1, 1, %35, %36", ACC_N64);
@@ -1422,7 +1449,7 @@ __device__ inline void wgmma_ss(float (&acc)[n / 8][4], uint64_t a, uint64_t b, 
   if constexpr (n == 128 && !half) WGMMA_SS("128", "bf16", REGS_N128, "%66", "%64, %65, p, 1, 1, %67, %68", ACC_N128);
 }
 
-// O (64, n) += A (64, 16) B (16, n), n = 64 or 128, with A in registers (a: the m16n8k16 A fragment of this
+// O (64, n) += A (64, 16) B (16, n), n = 32, 64 or 128, with A in registers (a: the m16n8k16 A fragment of this
 // warp's 16 rows) and B in shared memory N-major (rows of B contiguous along n: V_j as stored; the last
 // immediate, imm-trans-b = 1, says so).
 template <typename T, int n>
@@ -1431,10 +1458,40 @@ __device__ inline void wgmma_m64nNk16_rs(float (&acc)[n / 8][4], const uint32_t 
                                                      REGS ", " OPS ", 1, 1, 1, 1;"                                   \
                                                      : ACC : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b))
   constexpr bool half = std::is_same_v<T, __half>;
+  if constexpr (n == 32 && half) WGMMA_RS("32", "f16", REGS_N32, "{%16, %17, %18, %19}, %20", ACC_N32);
+  if constexpr (n == 32 && !half) WGMMA_RS("32", "bf16", REGS_N32, "{%16, %17, %18, %19}, %20", ACC_N32);
   if constexpr (n == 64 && half) WGMMA_RS("64", "f16", REGS_N64, "{%32, %33, %34, %35}, %36", ACC_N64);
   if constexpr (n == 64 && !half) WGMMA_RS("64", "bf16", REGS_N64, "{%32, %33, %34, %35}, %36", ACC_N64);
   if constexpr (n == 128 && half) WGMMA_RS("128", "f16", REGS_N128, "{%64, %65, %66, %67}, %68", ACC_N128);
   if constexpr (n == 128 && !half) WGMMA_RS("128", "bf16", REGS_N128, "{%64, %65, %66, %67}, %68", ACC_N128);
+}
+
+// Columns c0 .. c0+n-1 of a B operand that is N-major (V_j, dO_i, Q_i, K_j as stored, for products with n = d or
+// d/2) in panels of 64 columns, lbo bytes apart, from shared address b: one wgmma per piece, each with the
+// same A. A descriptor addresses 64 columns within one panel, or two whole panels through LBO, so the
+// pieces are the widest of 128, 64, 32, 16 that start at c and do not cross into a panel part-way.
+__host__ __device__ constexpr int piece_width(int c, int n) {
+  return c % 64 == 0 && n >= 128 ? 128 : c % 64 == 0 && n >= 64 ? 64 : c % 64 <= 32 && n >= 32 ? 32 : 16;
+}
+// (the pieces' accumulators are the columns of acc they cover: acc[w / 8] on are the columns from w)
+// acc (64, n) (+)= A (64, 16) B[:, c0 .. c0+n), A in shared memory (descriptor a)
+template <typename T, int c0, int n, int trans_a>
+__device__ void wgmma_ss_cols(float (&acc)[n / 8][4], uint64_t a, uint32_t b, uint32_t lbo, bool accumulate) {
+  static_assert(c0 % 16 == 0 && n % 16 == 0, "pieces of 16 columns or more");
+  constexpr int w = piece_width(c0, n);
+  wgmma_ss<T, w, trans_a, 1>(reinterpret_cast<float(&)[w / 8][4]>(acc), a,
+                             smem_desc(b + c0 / 64 * lbo + c0 % 64 * 2, lbo), accumulate);
+  if constexpr (w < n)
+    wgmma_ss_cols<T, c0 + w, n - w, trans_a>(reinterpret_cast<float(&)[(n - w) / 8][4]>(acc[w / 8]), a, b, lbo,
+                                             accumulate);
+}
+// acc (64, n) += A (64, 16) B[:, c0 .. c0+n), A in registers (the m16n8k16 A fragment of this warp's rows)
+template <typename T, int c0, int n>
+__device__ void wgmma_rs_cols(float (&acc)[n / 8][4], const uint32_t (&a)[4], uint32_t b, uint32_t lbo) {
+  static_assert(c0 % 32 == 0 && n % 32 == 0, "pieces of 32 columns or more");
+  constexpr int w = piece_width(c0, n);
+  wgmma_m64nNk16_rs<T, w>(reinterpret_cast<float(&)[w / 8][4]>(acc), a, smem_desc(b + c0 / 64 * lbo + c0 % 64 * 2, lbo));
+  if constexpr (w < n) wgmma_rs_cols<T, c0 + w, n - w>(reinterpret_cast<float(&)[(n - w) / 8][4]>(acc[w / 8]), a, b, lbo);
 }
 
 // All n/16 slices of S as A fragments (the A operand of a wgmma from registers has the same layout).
@@ -1444,11 +1501,11 @@ __device__ void to_A_fragments(uint32_t (&A)[n / 16][4], const float (&S)[n / 8]
 }
 
 // fp16/bf16 forward on Hopper (sm_90a): FlashAttention-2's Algorithm 1 with FlashAttention-3's machinery.
-// Grid (T_r, H_q, B); 1 + NWG warpgroups; B_r = 64*NWG, B_c = 128. Warpgroup 0 is the producer: one of its
+// Grid (T_r, H_q, B); 1 + NWG warpgroups; B_r = 64*NWG, B_c = 128 (64 past d = 128). Warpgroup 0 is the producer: one of its
 // threads issues every TMA load. Warpgroup c = 1..NWG is a consumer owning rows 64(c-1) .. 64c-1 of Q_i,
 // S_ij and O_i; per block j it computes, with the m16n8 fragments of the Ampere kernel in each warp:
 //   S_ij (64, B_c)  = Q_i (64, d) K_j^T (d, B_c)    d/16 wgmma m64n128k16, A and B from shared memory
-//   O_i  (64, d)   += P_ij (64, B_c) V_j (B_c, d)   B_c/16 wgmma m64n{d}k16, A (P_ij) from registers
+//   O_i  (64, d)   += P_ij (64, B_c) V_j (B_c, d)   B_c/16 wgmma m64n{d}k16 (in pieces), A (P_ij) from registers
 // Three kinds of waiting keep the tensor cores busy:
 // - K_j, V_j stream through STAGES shared-memory stages: full[s] completes when stage s has landed,
 //   empty[s] when every consumer warp has finished reading it (mbarriers). The producer refills a stage
@@ -1469,8 +1526,8 @@ flash_fwd_hopper(const __grid_constant__ CUtensorMap Q_map, const __grid_constan
                  float scale_log2) {
 #if SM90A
   constexpr int B_r = 64 * NWG;
-  static_assert(B_c == 128, "S_ij is one wgmma m64n128k16 per k slice");
-  constexpr uint32_t Q_bytes = B_r * d * sizeof(T), KV_bytes = B_c * d * sizeof(T);  // one tile
+  static_assert(B_c == 64 || B_c == 128, "S_ij is one wgmma m64n{B_c}k16 per k slice");
+  constexpr uint32_t Q_bytes = B_r * 128 * panels(d), KV_bytes = B_c * 128 * panels(d);  // one tile
   // Registers per thread after setmaxnreg: the producer needs few; the consumers share the rest of the
   // SM's 64 K (multiples of 8, at most 240 per thread for NWG = 2)
   constexpr int producer_regs = 24, consumer_regs = (65536 / 128 - producer_regs) / NWG / 8 * 8;
@@ -1496,12 +1553,12 @@ flash_fwd_hopper(const __grid_constant__ CUtensorMap Q_map, const __grid_constan
     if (threadIdx.x == 0) {
       const int h = blockIdx.y, h_kv = h / group;  // query head h reads key/value head h / group
       mbar_arrive_expect_bytes(Q_full, Q_bytes);                                   // l.4: load Q_i
-      for (int c = 0; c < d / 64; c++) tma_load(Q_s + c * B_r * 128, Q_map, 64 * c, row0, h, Q_full);
+      for (int c = 0; c < panels(d); c++) tma_load(Q_s + c * B_r * 128, Q_map, 64 * c, row0, h, Q_full);
       for (int j = 0; j < j_end; j++) {                                            // l.7: load K_j, V_j
         const int s = j % STAGES;
         if (j >= STAGES) mbar_wait(empty(s), (j / STAGES - 1) % 2);  // block j - STAGES is out of stage s
         mbar_arrive_expect_bytes(full(s), 2 * KV_bytes);
-        for (int c = 0; c < d / 64; c++) {
+        for (int c = 0; c < panels(d); c++) {
           tma_load(K_s(s) + c * B_c * 128, K_map, 64 * c, j * B_c, h_kv, full(s));
           tma_load(V_s(s) + c * B_c * 128, V_map, 64 * c, j * B_c, h_kv, full(s));
         }
@@ -1534,8 +1591,7 @@ flash_fwd_hopper(const __grid_constant__ CUtensorMap Q_map, const __grid_constan
     // O_i += P_ij V_j (l.10) for j's stage s: B_c/16 wgmma, keys 16kk..16kk+15 (16 rows of V_j, 2048 bytes)
     // in slice kk. Only issued; afterwards this warp releases stage s once wgmma_wait has collected O_i.
     auto issue_PV = [&](int s) {
-      for (int kk = 0; kk < B_c / 16; kk++)
-        wgmma_m64nNk16_rs<T, d>(O_i, P[kk], smem_desc(V_s(s) + kk * 2048, B_c * 128));
+      for (int kk = 0; kk < B_c / 16; kk++) wgmma_rs_cols<T, 0, d>(O_i, P[kk], V_s(s) + kk * 2048, B_c * 128);
       wgmma_commit();
     };
     auto release = [&](int s) {
@@ -1587,14 +1643,15 @@ flash_fwd_hopper(const __grid_constant__ CUtensorMap Q_map, const __grid_constan
 #endif
 }
 
-// A warp's (16, n) block of fp32 m16n8 accumulators X as T into a panel of 128-byte rows with the 128-byte
-// swizzle, this lane's rows being row and row + 8 (row % 8 = g): tile nt, element e goes to row
-// row + 8(e / 2), columns 8nt + 2t, +1, in 16-byte piece nt, which the swizzle moves to piece nt ^ g.
+// A warp's (16, n) block of fp32 m16n8 accumulators X as T into columns c0 .. c0+n-1 (c0 + n <= 64) of a panel
+// of 128-byte rows with the 128-byte swizzle, this lane's rows being row and row + 8 (row % 8 = g): tile nt,
+// element e goes to row row + 8(e / 2), columns c0 + 8nt + 2t, +1, in 16-byte piece p = c0/8 + nt, which the
+// swizzle moves to piece p ^ g.
 template <typename T, int n>
-__device__ void store_panel(uint32_t panel, const float (&X)[n / 8][4], int row, int g, int t) {
+__device__ void store_panel(uint32_t panel, const float (&X)[n / 8][4], int row, int c0, int g, int t) {
   for (int nt = 0; nt < n / 8; nt++)
     for (int h = 0; h < 2; h++)
-      asm volatile("st.shared.u32 [%0], %1;" ::"r"(panel + (row + 8 * h) * 128 + (nt ^ g) * 16 + 4 * t),
+      asm volatile("st.shared.u32 [%0], %1;" ::"r"(panel + (row + 8 * h) * 128 + ((c0 / 8 + nt) ^ g) * 16 + 4 * t),
                    "r"(pack<T>(X[nt][2 * h], X[nt][2 * h + 1])) : "memory");
 }
 
@@ -1610,20 +1667,23 @@ __device__ void copy_L_D(float* LD, const float* L, const float* D, int row0, in
 
 // fp16/bf16 backward on Hopper (sm_90a): FlashAttention-2's Algorithm 2 with the forward's producer
 // warpgroup and mbarrier stages, and the Ampere backward's transposed products.
-// Grid (T_c, H_q, B): one block per key block K_j, V_j (B_c = 128 keys) of one query head (dK_j, dV_j per query
-// head: the host sums a group's), looping over query blocks
-// (B_r = 64). Warpgroup 0 is the producer: one thread loads K_j and V_j once, then Q_i and dO_i into STAGES
-// stages with TMA, and warp 1 copies L_i and D_i beside them. Consumer c = 1, 2 owns keys 64(c-1) .. 64c-1
-// of the block, and so the rows of its transposed products (warp w: keys 16w .. 16w+15 of the 64):
+// Grid (T_c, H_q, B): one block per key block K_j, V_j of one query head (dK_j, dV_j per query head: the host
+// sums a group's), looping over query blocks (B_r = 64). Warpgroup 0 is the producer: one thread loads K_j
+// and V_j once, then Q_i and dO_i into STAGES stages with TMA, and warp 1 copies L_i and D_i beside them.
+// Up to d = 128, B_c = 128 and consumer c = 1, 2 owns keys 64(c-1) .. 64c-1 of the block, and so the rows of
+// its transposed products (warp w: keys 16w .. 16w+15 of the 64):
 //   S_ij^T  (64, B_r) = K_j Q_i^T      d/16 wgmma m64n64k16
 //   dP_ij^T (64, B_r) = V_j dO_i^T     d/16 wgmma m64n64k16
-//   dV_j    (64, d)  += P_ij^T dO_i    B_r/16 wgmma m64n{d}k16
+//   dV_j    (64, d)  += P_ij^T dO_i    B_r/16 wgmma m64n{d}k16 (in pieces)
 //   dK_j    (64, d)  += dS_ij^T Q_i    B_r/16 wgmma m64n{d}k16
 //   dQ_i (B_r, d/2) += dS_ij K_j       B_c/16 wgmma m64n{d/2}k16 (A: dS_ij^T read transposed)
 // with every operand in shared memory: P_ij^T and dS_ij^T go there from the accumulators, so that the
-// registers hold dK_j and dV_j (64 + 64 per thread at d = 128) and the products in flight. dQ_i sums over
-// the keys of both consumers: after a barrier that joins them, consumer c computes columns (c-1) d/2 ..
-// c d/2 - 1 over all 128 keys and adds them into an fp32 dQ with atomics. (Each consumer adding all columns
+// registers hold dK_j and dV_j (64 + 64 per thread at d = 128) and the products in flight. Past d = 128
+// those would be 2 * d/2 registers per thread: there B_c = 64, and the consumers split the columns instead
+// of the keys. Consumer c computes queries 32(c-1) .. 32c-1 of S_ij^T and dP_ij^T (m64n32k16), and columns
+// (c-1) d/2 .. c d/2 - 1 of dV_j and dK_j over all 64 keys, reading both consumers' P_ij^T and dS_ij^T.
+// dQ_i sums over the keys of both consumers: after a barrier that joins them, consumer c computes columns
+// (c-1) d/2 .. c d/2 - 1 over all B_c keys and adds them into an fp32 dQ with atomics. (Each consumer adding all columns
 // over its own 64 keys would double the atomic traffic, which at d = 64 made the backward slower.) P_ij^T and
 // dS_ij^T have two buffers each: block i's are written while block i-1's may still be
 // read. The CUDA cores compute block i's P and dS while the tensor cores compute block i-1's dV_j and dK_j:
@@ -1631,15 +1691,19 @@ __device__ void copy_L_D(float* LD, const float* L, const float* D, int row0, in
 //   for i: wait S_ij^T: P_ij^T = exp(S - L_i);  wait dP_ij^T: dS_ij^T = P o (dP - D_i)
 //          wait dV, dK of block i-1: release its stage;  store P_ij^T, dS_ij^T;  barrier
 //          issue dQ_i; wait: add it into dQ;  issue S^T, dP^T of block i+1, then dV, dK of block i
-template <typename T, int d, int STAGES>
+template <typename T, int d, int B_c, int STAGES>
 __global__ void __launch_bounds__(384, 1)
 flash_bwd_hopper(const __grid_constant__ CUtensorMap Q_map, const __grid_constant__ CUtensorMap K_map,
                  const __grid_constant__ CUtensorMap V_map, const __grid_constant__ CUtensorMap dO_map,
                  const float* __restrict__ L, const float* __restrict__ D, float* __restrict__ dQ, Rows<T> dK,
                  Rows<T> dV, Mask mask, int group, float scale) {
 #if SM90A
-  constexpr int B_r = 64, B_c = 128;
-  constexpr uint32_t KV_bytes = B_c * d * sizeof(T), Q_bytes = B_r * d * sizeof(T), P_bytes = B_c * B_r * sizeof(T);
+  constexpr bool split_keys = B_c == 128;  // the consumers split the keys (else the columns: see above)
+  static_assert(split_keys ? d <= 128 : B_c == 64, "B_c = 128 up to d = 128, else 64");
+  constexpr int B_r = 64;
+  constexpr int NQ = split_keys ? B_r : B_r / 2;    // queries of S_ij^T, dP_ij^T per consumer
+  constexpr int ND = split_keys ? d : d / 2;        // columns of dV_j, dK_j per consumer
+  constexpr uint32_t KV_bytes = B_c * 128 * panels(d), Q_bytes = B_r * 128 * panels(d), P_bytes = B_c * B_r * sizeof(T);
   extern __shared__ unsigned char smem_raw[];
   const uint32_t K_s = (smem_addr(smem_raw) + 1023) & ~1023u, V_s = K_s + KV_bytes;  // K_j, V_j (B_c, d)
   auto Q_s = [&](int s) { return V_s + KV_bytes + 2 * s * Q_bytes; };  // Q_i in stage s (B_r, d)
@@ -1667,7 +1731,7 @@ flash_bwd_hopper(const __grid_constant__ CUtensorMap Q_map, const __grid_constan
     if (threadIdx.x == 0) {
       const int h = blockIdx.y, h_kv = h / group;  // query head h reads key/value head h / group
       mbar_arrive_expect_bytes(KV_full, 2 * KV_bytes);                       // l.6: load K_j, V_j
-      for (int c = 0; c < d / 64; c++) {
+      for (int c = 0; c < panels(d); c++) {
         tma_load(K_s + c * B_c * 128, K_map, 64 * c, col0, h_kv, KV_full);
         tma_load(V_s + c * B_c * 128, V_map, 64 * c, col0, h_kv, KV_full);
       }
@@ -1675,7 +1739,7 @@ flash_bwd_hopper(const __grid_constant__ CUtensorMap Q_map, const __grid_constan
         const int s = stage(i);
         if (round(i) > 0) mbar_wait(empty(s), (round(i) - 1) % 2);  // block i - STAGES is out of stage s
         mbar_arrive_expect_bytes(full(s), 2 * Q_bytes);
-        for (int c = 0; c < d / 64; c++) {
+        for (int c = 0; c < panels(d); c++) {
           tma_load(Q_s(s) + c * B_r * 128, Q_map, 64 * c, i * B_r, h, full(s));
           tma_load(dO_s(s) + c * B_r * 128, dO_map, 64 * c, i * B_r, h, full(s));
         }
@@ -1689,14 +1753,21 @@ flash_bwd_hopper(const __grid_constant__ CUtensorMap Q_map, const __grid_constan
         mbar_arrive(full(s));
       }
     }
-  } else {  // consumer warpgroup wg: keys 64(wg-1) .. 64wg-1 of the block
+  } else {  // consumer warpgroup wg
     asm volatile("setmaxnreg.inc.sync.aligned.u32 240;");
     const int warp = threadIdx.x / 32 % 4, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
-    const int key0 = 64 * (wg - 1), c = col0 + key0 + 16 * warp + g;  // this lane's keys are c and c + 8
-    const int n0 = (wg - 1) * d / 2;  // dQ_i's piece: columns n0 .. n0 + d/2 - 1, over all B_c keys
+    // its 64 keys, queries of S_ij^T and columns of dV_j, dK_j: key0.., q0.., n0..; dQ_i's columns (wg-1) d/2..
+    const int key0 = split_keys ? 64 * (wg - 1) : 0, q0 = split_keys ? 0 : NQ * (wg - 1), n0 = split_keys ? 0 : (wg - 1) * ND;
+    const int c = col0 + key0 + 16 * warp + g;  // this lane's keys are c and c + 8
     const float scale_log2 = scale * LOG2E;
-    float dK_j[d / 8][4] = {}, dV_j[d / 8][4] = {};                            // l.7: dK_j = dV_j = 0
-    float S[B_r / 8][4], dP[B_r / 8][4];  // S_ij^T, then P_ij^T; dP_ij^T, then dS_ij^T
+    float dK_j[ND / 8][4] = {}, dV_j[ND / 8][4] = {};                          // l.7: dK_j = dV_j = 0
+    float S[NQ / 8][4], dP[NQ / 8][4];  // S_ij^T, then P_ij^T; dP_ij^T, then dS_ij^T
+    // f(Int<first column>) for this consumer's columns: the pieces of a product (wgmma_ss_cols) are fixed at
+    // compile time
+    auto at_columns = [&](auto f) {
+      if (wg == 1) f(Int<0>{});
+      else f(Int<d / 2>{});
+    };
 
     // S_ij^T = K_j Q_i^T (l.10) and dP_ij^T = V_j dO_i^T (l.13) for query block i, as two groups: k slice kk
     // is 32 bytes * (kk % 4) into panel kk / 4 of each operand, as in the forward
@@ -1704,42 +1775,53 @@ flash_bwd_hopper(const __grid_constant__ CUtensorMap Q_map, const __grid_constan
       const int s = stage(i);
       mbar_wait(full(s), round(i) % 2);  // Q_i, dO_i, L_i and D_i have landed
       for (int kk = 0; kk < d / 16; kk++)
-        wgmma_ss<T, B_r>(S, smem_desc(K_s + kk / 4 * B_c * 128 + key0 * 128 + kk % 4 * 32, 0),
-                         smem_desc(Q_s(s) + kk / 4 * B_r * 128 + kk % 4 * 32, 0), kk > 0);
+        wgmma_ss<T, NQ>(S, smem_desc(K_s + kk / 4 * B_c * 128 + key0 * 128 + kk % 4 * 32, 0),
+                        smem_desc(Q_s(s) + kk / 4 * B_r * 128 + q0 * 128 + kk % 4 * 32, 0), kk > 0);
       wgmma_commit();
       for (int kk = 0; kk < d / 16; kk++)
-        wgmma_ss<T, B_r>(dP, smem_desc(V_s + kk / 4 * B_c * 128 + key0 * 128 + kk % 4 * 32, 0),
-                         smem_desc(dO_s(s) + kk / 4 * B_r * 128 + kk % 4 * 32, 0), kk > 0);
+        wgmma_ss<T, NQ>(dP, smem_desc(V_s + kk / 4 * B_c * 128 + key0 * 128 + kk % 4 * 32, 0),
+                        smem_desc(dO_s(s) + kk / 4 * B_r * 128 + q0 * 128 + kk % 4 * 32, 0), kk > 0);
       wgmma_commit();
     };
     // dV_j += P_ij^T dO_i (l.12) and dK_j += dS_ij^T Q_i (l.16), one group. Slice kk: queries 16kk.., which
     // are 32 bytes * kk into the rows of P^T and dS^T (K-major) and rows 16kk.. of dO_i and Q_i (N-major)
     auto issue_dV_dK = [&](int i) {
       const int s = stage(i);
-      for (int kk = 0; kk < B_r / 16; kk++)
-        wgmma_ss<T, d, 0, 1>(dV_j, smem_desc(P_s(i) + key0 * 128 + kk * 32, 0),
-                             smem_desc(dO_s(s) + kk * 2048, B_r * 128), true);
-      for (int kk = 0; kk < B_r / 16; kk++)
-        wgmma_ss<T, d, 0, 1>(dK_j, smem_desc(dS_s(i) + key0 * 128 + kk * 32, 0),
-                             smem_desc(Q_s(s) + kk * 2048, B_r * 128), true);
+      at_columns([&](auto first) {
+        constexpr int c0 = split_keys ? 0 : decltype(first)::value;
+        for (int kk = 0; kk < B_r / 16; kk++)
+          wgmma_ss_cols<T, c0, ND, 0>(dV_j, smem_desc(P_s(i) + key0 * 128 + kk * 32, 0), dO_s(s) + kk * 2048,
+                                      B_r * 128, true);
+        for (int kk = 0; kk < B_r / 16; kk++)
+          wgmma_ss_cols<T, c0, ND, 0>(dK_j, smem_desc(dS_s(i) + key0 * 128 + kk * 32, 0), Q_s(s) + kk * 2048,
+                                      B_r * 128, true);
+      });
       wgmma_commit();
     };
-    // dQ_i's piece = dS_ij K_j (l.15), added into dQ. Slice kk: keys 16kk.., rows of dS^T (M-major) and of
-    // K_j (N-major; the piece's columns start n0 % 64 * 2 bytes into a 128-byte row of panel n0 / 64)
-    auto dQ_piece = [&](int i) {
-      float dQ_i[d / 16][4];
+    // dQ_i's piece = dS_ij K_j (l.15), added into dQ: its columns DQ at a time, first.. (halves at d = 192,
+    // 256: at most 64 registers beside dK_j and dV_j). Slice kk: keys 16kk.., rows of dS^T (M-major) and of K_j
+    // (N-major)
+    constexpr int DQ = d / 2 > 64 && d / 4 % 16 == 0 ? d / 4 : d / 2;
+    auto dQ_pass = [&](int i, auto first) {
+      constexpr int c0 = decltype(first)::value;
+      float dQ_i[DQ / 8][4];
       for (int kk = 0; kk < B_c / 16; kk++)
-        wgmma_ss<T, d / 2, 1, 1>(dQ_i, smem_desc(dS_s(i) + 16 * kk * 128, 0),
-                                 smem_desc(K_s + n0 / 64 * B_c * 128 + n0 % 64 * 2 + 16 * kk * 128, 0), kk > 0);
+        wgmma_ss_cols<T, c0, DQ, 1>(dQ_i, smem_desc(dS_s(i) + 16 * kk * 128, 0), K_s + 16 * kk * 128, B_c * 128, kk > 0);
       wgmma_commit();
       wgmma_wait<0>(dQ_i);
       for (int h = 0; h < 2; h++) {
         const int r = i * B_r + 16 * warp + g + 8 * h;  // dQ_i's rows are queries: this lane's are r, r + 8
         if (r < N_q)
-          for (int nt = 0; nt < d / 16; nt++)
-            atomic_add_pair(&dQ[(head_index() * N_q + r) * d + n0 + 8 * nt + 2 * t], scale * dQ_i[nt][2 * h],
+          for (int nt = 0; nt < DQ / 8; nt++)
+            atomic_add_pair(&dQ[(head_index() * N_q + r) * d + c0 + 8 * nt + 2 * t], scale * dQ_i[nt][2 * h],
                             scale * dQ_i[nt][2 * h + 1]);
       }
+    };
+    auto dQ_piece = [&](int i) {
+      at_columns([&](auto first) {
+        dQ_pass(i, first);
+        if constexpr (DQ < d / 2) dQ_pass(i, Int<decltype(first)::value + DQ>{});
+      });
     };
     auto release = [&](int i) {  // every consumer thread has finished reading block i's stage (L_i and D_i
       mbar_arrive(empty(stage(i)));  // included: each thread arrives after its own reads)
@@ -1750,25 +1832,25 @@ flash_bwd_hopper(const __grid_constant__ CUtensorMap Q_map, const __grid_constan
       const int row0 = i * B_r;
       const float* L_i = reinterpret_cast<const float*>(__cvta_shared_to_generic(LD_s(stage(i))));
       const float* D_i = L_i + B_r;
-      const bool edge = mask.any(row0, B_r, col0 + key0, 64) | (row0 + B_r > N_q);  // any entry to zero?
+      const bool edge = mask.any(row0 + q0, NQ, col0 + key0, 64) | (row0 + q0 + NQ > N_q);  // any entry to zero?
       wgmma_wait<2>(S);
-      for (int nt = 0; nt < B_r / 8; nt++)  // entry (key c + 8(e / 2), query row0 + 8nt + 2t + e % 2)
-        for (int e = 0; e < 4; e++) S[nt][e] = exp2_ftz(S[nt][e] * scale_log2 - L_i[8 * nt + 2 * t + e % 2]);
+      for (int nt = 0; nt < NQ / 8; nt++)  // entry (key c + 8(e / 2), query row0 + q0 + 8nt + 2t + e % 2)
+        for (int e = 0; e < 4; e++) S[nt][e] = exp2_ftz(S[nt][e] * scale_log2 - L_i[q0 + 8 * nt + 2 * t + e % 2]);
       if (edge)  // keys past N, queries past N, and causal: keys after the query
-        for (int nt = 0; nt < B_r / 8; nt++)
+        for (int nt = 0; nt < NQ / 8; nt++)
           for (int e = 0; e < 4; e++) {
-            const int key = c + 8 * (e / 2), r = row0 + 8 * nt + 2 * t + e % 2;
+            const int key = c + 8 * (e / 2), r = row0 + q0 + 8 * nt + 2 * t + e % 2;
             if ((r >= N_q) | mask.hides(r, key)) S[nt][e] = 0.f;
           }
       wgmma_wait<1>(dP);
-      for (int nt = 0; nt < B_r / 8; nt++)
-        for (int e = 0; e < 4; e++) dP[nt][e] = S[nt][e] * (dP[nt][e] - D_i[8 * nt + 2 * t + e % 2]);
+      for (int nt = 0; nt < NQ / 8; nt++)
+        for (int e = 0; e < 4; e++) dP[nt][e] = S[nt][e] * (dP[nt][e] - D_i[q0 + 8 * nt + 2 * t + e % 2]);
     };
     // P_ij^T and dS_ij^T into buffer i % 2 (last read by block i-2's products, done on both consumers), then
     // dQ_i's piece once they are there
     auto store_and_dQ = [&](int i) {
-      store_panel<T, B_r>(P_s(i), S, key0 + 16 * warp + g, g, t);
-      store_panel<T, B_r>(dS_s(i), dP, key0 + 16 * warp + g, g, t);
+      store_panel<T, NQ>(P_s(i), S, key0 + 16 * warp + g, q0, g, t);
+      store_panel<T, NQ>(dS_s(i), dP, key0 + 16 * warp + g, q0, g, t);
       asm volatile("fence.proxy.async.shared::cta;" ::: "memory");  // the stores are visible to wgmma
       asm volatile("bar.sync 1, 256;" ::: "memory");  // both consumers have stored dS_ij^T
       wgmma_fence();
@@ -1796,8 +1878,8 @@ flash_bwd_hopper(const __grid_constant__ CUtensorMap Q_map, const __grid_constan
     issue_dV_dK(T_r - 1);
     wgmma_wait<0>(dV_j, dK_j);
     release(T_r - 1);
-    store_rows<T, d>(dK.head(), dK_j, c, t, N_k, scale);                        // l.18: write dK_j, dV_j
-    store_rows<T, d>(dV.head(), dV_j, c, t, N_k, 1.f);
+    store_rows<T, ND>(dK.head().cols(n0), dK_j, c, t, N_k, scale);             // l.18: write dK_j, dV_j
+    store_rows<T, ND>(dV.head().cols(n0), dV_j, c, t, N_k, 1.f);
   }
 #endif
 }
@@ -1816,7 +1898,7 @@ flash_decode_hopper(Rows<const T> Q, const __grid_constant__ CUtensorMap K_map, 
 #if SM90A
   using Block = DecodeBlock<T, d>;
   constexpr int B_c = Block::B_c;
-  constexpr uint32_t tile_bytes = B_c * d * sizeof(T);  // K_j or V_j: d/64 panels of (B_c, 128 bytes)
+  constexpr uint32_t tile_bytes = B_c * 128 * panels(d);  // K_j or V_j: panels of (B_c, 128 bytes)
   extern __shared__ unsigned char smem_raw[];
   const uint32_t KV_s = (smem_addr(smem_raw) + 1023) & ~1023u;  // stage s: K_j, then V_j (swizzling: 1024-aligned)
   auto K_s = [&](int s) { return KV_s + 2 * s * tile_bytes; };
@@ -1832,7 +1914,7 @@ flash_decode_hopper(Rows<const T> Q, const __grid_constant__ CUtensorMap K_map, 
   auto load_KV = [&](int n) {  // l.7: load K_j, V_j for j = j_begin + n into stage n % STAGES (by thread 0)
     const int s = n % STAGES, j = j_begin + n;
     mbar_arrive_expect_bytes(full(s), 2 * tile_bytes);
-    for (int c = 0; c < d / 64; c++) {
+    for (int c = 0; c < panels(d); c++) {
       tma_load(K_s(s) + c * B_c * 128, K_map, 64 * c, j * B_c, block.h_kv, full(s));
       tma_load(V_s(s) + c * B_c * 128, V_map, 64 * c, j * B_c, block.h_kv, full(s));
     }
@@ -1907,23 +1989,29 @@ dim3 grid(int blocks, const at::Tensor& Q) { return dim3(blocks, Q.size(1), Q.si
 Mask mask(const at::Tensor& Q, const at::Tensor& K, bool causal) { return {int(Q.size(2)), int(K.size(2)), causal}; }
 int group(const at::Tensor& Q, const at::Tensor& K) { return Q.size(1) / K.size(1); }
 
-// Kernels that need more than 48 KB of shared memory must ask for it before their first launch.
-template <typename Kernel>
-void launch(Kernel kernel, dim3 grid, int threads, size_t smem, cudaStream_t stream, auto... args) {
-  CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
-  kernel<<<grid, threads, smem, stream>>>(args...);
-  CUDA_CHECK(cudaGetLastError());
-}
-
 // The most shared memory one block may have on this GPU: 227 KB on sm_90, 163 KB on sm_80, 99 KB on sm_86
 // and sm_89, 96 KB on sm_70, 64 KB on sm_75. The environment variable FLASH_SMEM_LIMIT (bytes) lowers it,
 // so that one GPU can run, and the tests check, the smaller tiles that the launchers choose for others.
-size_t max_smem_per_block() {
+size_t device_smem_per_block() {
   int device, bytes;
   CUDA_CHECK(cudaGetDevice(&device));
   CUDA_CHECK(cudaDeviceGetAttribute(&bytes, cudaDevAttrMaxSharedMemoryPerBlockOptin, device));
+  return bytes;
+}
+size_t max_smem_per_block() {
   const char* limit = std::getenv("FLASH_SMEM_LIMIT");
-  return limit ? std::min<size_t>(bytes, std::strtoull(limit, nullptr, 10)) : bytes;
+  return limit ? std::min<size_t>(device_smem_per_block(), std::strtoull(limit, nullptr, 10)) : device_smem_per_block();
+}
+
+// Kernels that need more than 48 KB of shared memory must ask for it before their first launch. A launcher
+// that has no smaller tiles left to try lands here with tiles too big for this GPU: a clear error.
+template <typename Kernel>
+void launch(Kernel kernel, dim3 grid, int threads, size_t smem, cudaStream_t stream, auto... args) {
+  TORCH_CHECK(smem <= device_smem_per_block(), "this kernel's tiles need ", smem, " bytes of shared memory per block ",
+              "at this head dim; this GPU gives a block ", device_smem_per_block());
+  CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
+  kernel<<<grid, threads, smem, stream>>>(args...);
+  CUDA_CHECK(cudaGetLastError());
 }
 
 // D = rowsum(dO o O) for every row of every head: 8 rows (one per warp) per block of 256 threads.
@@ -1936,9 +2024,10 @@ void launch_preprocess(const at::Tensor& O, const at::Tensor& dO, at::Tensor& D,
 #if defined(BUILD_fp32)
 // Block sizes: with B_r = B_c = 64, four forward blocks (two backward) share an SM of an H100 (three and
 // one on an A100); for d > 64 the key block (and the backward's query block) is halved so that three (two)
-// still fit on an H100. On a GPU whose blocks get less shared memory than that (see above), B_r is halved
-// until the tiles fit.
-template <int d, int B_r = 64>
+// still fit on an H100, and past d = 128 the query blocks are halved again, since each thread holds
+// B_r/8 * d/16 values of O_i (and of dQ_i). On a GPU whose blocks get less shared memory than that (see
+// above), B_r is halved until the tiles fit.
+template <int d, int B_r = (d <= 128 ? 64 : 32)>
 void fwd_fp32(const at::Tensor& Q, const at::Tensor& K, const at::Tensor& V, at::Tensor& O, at::Tensor& L,
               bool causal, float scale, cudaStream_t stream) {
   constexpr int B_c = d <= 64 ? 64 : 32;
@@ -1951,7 +2040,7 @@ void fwd_fp32(const at::Tensor& Q, const at::Tensor& K, const at::Tensor& V, at:
          scale * LOG2E);
 }
 
-template <int d, int B_r = (d <= 64 ? 64 : 32)>
+template <int d, int B_r = (d <= 64 ? 64 : d <= 128 ? 32 : 16)>
 void bwd_fp32(const at::Tensor& Q, const at::Tensor& K, const at::Tensor& V, const at::Tensor& dO,
               const at::Tensor& L, const at::Tensor& D, at::Tensor& dQ, at::Tensor& dK, at::Tensor& dV,
               bool causal, float scale, cudaStream_t stream) {
@@ -1999,38 +2088,41 @@ void fwd_turing(const at::Tensor& Q, const at::Tensor& K, const at::Tensor& V, a
 template <typename T, int d> constexpr auto fwd = fwd_turing<d>;
 
 #elif defined(BUILD_ampere)
-template <typename T, int d, int B_c = d == 64 ? 128 : 64>
+template <typename T, int d, int B_c = d <= 64 ? 128 : 64>
 void fwd_ampere(const at::Tensor& Q, const at::Tensor& K, const at::Tensor& V, at::Tensor& O, at::Tensor& L,
                 bool causal, float scale, cudaStream_t stream) {
-  // Four warps of 32 rows, B_r = 128, and B_c = 128 (d = 64) or 64 (d = 128), as FlashAttention-2 on sm_90;
-  // these were faster than key blocks half that size. 255 registers (24 bytes spilled) let two
-  // blocks share an SM.
-  constexpr int NW = 4, B_r = 32 * NW;
+  // Four warps of M = 2 tiles of 16 rows, B_r = 128, and B_c = 128 (d <= 64) or 64, as FlashAttention-2 on
+  // sm_90; these were faster than key blocks half that size. At d = 128, 255 registers (24 bytes spilled)
+  // let two blocks share an SM. Past d = 128 one tile per warp (M = 1, B_r = 64) keeps O_i in registers.
+  // Where a block gets less shared memory (d = 128: 102 KB, more than the 99 KB of sm_86 and sm_89; d = 256:
+  // 169 KB, more than an A100's 163 KB), B_c is halved until the tiles fit.
+  constexpr int NW = 4, M = d <= 128 ? 2 : 1, B_r = 16 * M * NW;
   const int N_q = Q.size(2);
   const size_t smem = sizeof(T) * (B_r + 4 * B_c) * (d + 8);
-  if constexpr (d == 128 && B_c == 64)  // 102 KB: more than sm_86 and sm_89 give a block (99 KB), so B_c = 32 there
+  if constexpr (B_c > 16)
     if (smem > max_smem_per_block()) return fwd_ampere<T, d, B_c / 2>(Q, K, V, O, L, causal, scale, stream);
-  launch(flash_fwd_ampere<T, d, NW, B_c>, grid((N_q + B_r - 1) / B_r, Q), NW * 32, smem, stream, rows<const T>(Q),
+  launch(flash_fwd_ampere<T, d, NW, B_c, M>, grid((N_q + B_r - 1) / B_r, Q), NW * 32, smem, stream, rows<const T>(Q),
          rows<const T>(K), rows<const T>(V), rows<T>(O), ptr<float>(L), mask(Q, K, causal), group(Q, K),
          scale * LOG2E);
 }
 
-template <typename T, int d, int NW = 8, int B_r = d == 64 ? 128 : 64>
+template <typename T, int d, int NW = d <= 128 ? 8 : 4, int B_r = d <= 64 ? 128 : 64>
 void bwd_ampere(const at::Tensor& Q, const at::Tensor& K, const at::Tensor& V, const at::Tensor& dO,
                 const at::Tensor& L, const at::Tensor& D, at::Tensor& dQ, at::Tensor& dK, at::Tensor& dV,
                 bool causal, float scale, cudaStream_t stream) {
   // Eight warps, B_c = 128 keys: against four warps and B_c = 64, each Q_i, dO_i tile in shared memory serves
-  // twice as many warps and dQ gets half as many atomic adds per FLOP. B_r = 128 (d = 64) or 64 (d = 128) as
-  // FlashAttention-2 on sm_80 (255 registers, no spills).
-  constexpr int B_c = 16 * NW;
+  // twice as many warps and dQ gets half as many atomic adds per FLOP. B_r = 128 (d <= 64) or 64 as
+  // FlashAttention-2 on sm_80 (255 registers, no spills at d = 128). Past d = 128 each block writes DC = d/2
+  // columns (see the kernel) and has four warps: its tiles then take 162 KB at d = 192, 211 KB at d = 256.
+  // Where a block gets less shared memory (sm_86 and sm_89: 99 KB; an A100 at d = 256: 163 KB), the warps and
+  // B_r are halved together, so that each warp keeps its share of dQ_i, until the tiles fit.
+  constexpr int B_c = 16 * NW, DC = d <= 128 ? d : d / 2;
   const int N_k = K.size(2);
   const size_t smem = sizeof(T) * ((2 * B_c + 4 * B_r) * (d + 8) + B_c * (B_r + 8)) + sizeof(float) * 4 * B_r;
-  if constexpr (NW == 8 && B_r == (d == 64 ? 128 : 64))  // 144 KB (d = 64) or 155 KB (d = 128)
-    if (smem > max_smem_per_block()) {  // sm_86 and sm_89 give a block 99 KB: 91 KB and 73.5 KB tiles there
-      if constexpr (d == 64) return bwd_ampere<T, d, 8, 64>(Q, K, V, dO, L, D, dQ, dK, dV, causal, scale, stream);
-      else return bwd_ampere<T, d, 4, 32>(Q, K, V, dO, L, D, dQ, dK, dV, causal, scale, stream);
-    }
-  launch(flash_bwd_ampere<T, d, B_r, NW>, grid((N_k + B_c - 1) / B_c, Q), NW * 32, smem, stream, rows<const T>(Q),
+  if constexpr (NW > 2)
+    if (smem > max_smem_per_block())
+      return bwd_ampere<T, d, NW / 2, B_r / 2>(Q, K, V, dO, L, D, dQ, dK, dV, causal, scale, stream);
+  launch(flash_bwd_ampere<T, d, B_r, NW, DC>, grid((N_k + B_c - 1) / B_c * (d / DC), Q), NW * 32, smem, stream, rows<const T>(Q),
          rows<const T>(K), rows<const T>(V), rows<const T>(dO), ptr<float>(L), ptr<float>(D), ptr<float>(dQ),
          rows<T>(dK), rows<T>(dV), mask(Q, K, causal), group(Q, K), scale);
 }
@@ -2069,10 +2161,14 @@ CUtensorMap tensor_map(const at::Tensor& X, int rows) {
 template <typename T, int d>
 void fwd_hopper(const at::Tensor& Q, const at::Tensor& K, const at::Tensor& V, at::Tensor& O, at::Tensor& L,
                 bool causal, float scale, cudaStream_t stream) {
-  constexpr int NWG = 2, B_r = 64 * NWG, B_c = 128, STAGES = 3;  // 3 stages: the most that fit at d = 128
+  // Up to d = 128: B_c = 128 and 3 stages, the most that fit at d = 128. Past it, B_c = 64: each thread's 64
+  // registers of S_ij and 32 of P_ij would not fit beside its d/2 of O_i (at most 240, setmaxnreg), nor two
+  // stages of 128 keys in shared memory; 3 stages (192 KB) fit at d = 160 and 192, 2 (192 KB) at d = 256.
+  constexpr int NWG = 2, B_r = 64 * NWG, B_c = d <= 128 ? 128 : 64, STAGES = d <= 192 ? 3 : 2;
   const int N_q = Q.size(2);
-  // Q_i and STAGES stages of K_j, V_j, the mbarriers, and 1 KB of slack to align the tiles to 1024 bytes
-  const size_t smem = sizeof(T) * (B_r + 2 * STAGES * B_c) * d + 8 * (1 + 2 * STAGES) + 1024;
+  // Q_i and STAGES stages of K_j, V_j (each row 64 elements per panel), the mbarriers, and 1 KB of slack to align
+  // the tiles to 1024 bytes
+  const size_t smem = (B_r + 2 * STAGES * B_c) * 128 * panels(d) + 8 * (1 + 2 * STAGES) + 1024;
   launch(flash_fwd_hopper<T, d, NWG, B_c, STAGES>, grid((N_q + B_r - 1) / B_r, Q), 128 * (NWG + 1), smem, stream,
          tensor_map(Q, B_r), tensor_map(K, B_c), tensor_map(V, B_c), rows<T>(O), ptr<float>(L), mask(Q, K, causal),
          group(Q, K), scale * LOG2E);
@@ -2082,15 +2178,16 @@ template <typename T, int d>
 void bwd_hopper(const at::Tensor& Q, const at::Tensor& K, const at::Tensor& V, const at::Tensor& dO,
                 const at::Tensor& L, const at::Tensor& D, at::Tensor& dQ, at::Tensor& dK, at::Tensor& dV,
                 bool causal, float scale, cudaStream_t stream) {
-  // d = 64: a third stage of Q_i, dO_i was faster; at d = 128 it gained nothing, and would
-  // take the shared memory to 226 KB.
-  constexpr int B_r = 64, B_c = 128, STAGES = d == 64 ? 3 : 2;
+  // d <= 64: a third stage of Q_i, dO_i was faster; at d = 128 it gained nothing, and would take the shared
+  // memory to 226 KB. B_c = 128 up to d = 128, else 64 (the consumers split columns: see the kernel), which
+  // takes 226 KB at d = 256.
+  constexpr int B_r = 64, B_c = d <= 128 ? 128 : 64, STAGES = d <= 64 ? 3 : 2;
   const int N_k = K.size(2);
   // K_j, V_j; STAGES stages of Q_i, dO_i, L_i, D_i; two buffers of P_ij^T and dS_ij^T; the mbarriers; 1 KB of
   // slack to align the tiles to 1024 bytes
-  const size_t smem = sizeof(T) * (2 * B_c * d + 2 * STAGES * B_r * d + 4 * B_c * B_r) + STAGES * 2 * B_r * 4 +
-                      8 * (1 + 2 * STAGES) + 1024;
-  launch(flash_bwd_hopper<T, d, STAGES>, grid((N_k + B_c - 1) / B_c, Q), 384, smem, stream, tensor_map(Q, B_r),
+  const size_t smem = (2 * B_c + 2 * STAGES * B_r) * 128 * panels(d) + sizeof(T) * 4 * B_c * B_r +
+                      STAGES * 2 * B_r * 4 + 8 * (1 + 2 * STAGES) + 1024;
+  launch(flash_bwd_hopper<T, d, B_c, STAGES>, grid((N_k + B_c - 1) / B_c, Q), 384, smem, stream, tensor_map(Q, B_r),
          tensor_map(K, B_c), tensor_map(V, B_c), tensor_map(dO, B_r), ptr<float>(L), ptr<float>(D), ptr<float>(dQ),
          rows<T>(dK), rows<T>(dV), mask(Q, K, causal), group(Q, K), scale);
 }
@@ -2110,18 +2207,20 @@ void decode(const at::Tensor& Q, const at::Tensor& K, const at::Tensor& V, at::T
 {
   constexpr int B_c = DecodeBlock<T, d>::B_c;
   const int B = Q.size(0), H_q = Q.size(1), N_q = Q.size(2), H_kv = K.size(1), N_k = K.size(2), G = H_q / H_kv;
+  // Four stages: on an H100, one block per SM (2-11% faster than three stages and two blocks with cp.async);
+  // fewer where a block gets less shared memory (99 KB on sm_86 and sm_89, and d = 256 on an H100)
 #if defined(BUILD_hopper)
   // 1 KB of slack to align the tiles to 1024 bytes, STAGES stages of K_j and V_j (128 KB at d = 128), the
-  // mbarriers, the queries: one block per SM
-  const size_t smem = 1024 + 2 * STAGES * B_c * d * sizeof(T) + 16 * STAGES + 16 * (d + 8) * sizeof(T);
+  // mbarriers, the queries
+  const size_t smem = 1024 + 2 * STAGES * B_c * 128 * panels(d) + 16 * STAGES + 16 * (d + 8) * sizeof(T);
+  if constexpr (STAGES > 2)
+    if (smem > max_smem_per_block()) return decode<T, d, STAGES - 1>(Q, K, V, O, L, seqlens_k, causal, scale, stream);
   const auto kernel = flash_decode_hopper<T, d, STAGES>;
   const auto K_arg = tensor_map(K, B_c), V_arg = tensor_map(V, B_c);
 #else
-  // Four stages: 143 KB of shared memory at d = 128, one block per H100 SM (on an H100, 2-11% faster than
-  // three stages and two blocks); two stages (74 KB) where a block gets less (99 KB on sm_86 and sm_89)
-  const size_t smem = sizeof(T) * (16 + 2 * STAGES * B_c) * (d + 8);
+  const size_t smem = sizeof(T) * (16 + 2 * STAGES * B_c) * (d + 8);  // 143 KB at d = 128
   if constexpr (STAGES > 2)
-    if (smem > max_smem_per_block()) return decode<T, d, 2>(Q, K, V, O, L, seqlens_k, causal, scale, stream);
+    if (smem > max_smem_per_block()) return decode<T, d, STAGES - 1>(Q, K, V, O, L, seqlens_k, causal, scale, stream);
   const auto kernel = flash_decode<T, d, STAGES>;
   const auto K_arg = rows<const T>(K), V_arg = rows<const T>(V);
 #endif
@@ -2184,13 +2283,21 @@ constexpr int index_of(const char* name, int k = 0) { return same(KERNELS[k].nam
 constexpr KernelSpec SPEC = KERNELS[index_of(KERNEL)];
 
 // f.template operator()<T, d>() for Q's element type T and head dim d, among those this kernel is compiled
-// for: each (T, d) is its own instantiation of the kernel.
+// for: each (T, d) is its own instantiation of the kernel. main.py builds one extension per kernel and head
+// dim, with -DHEAD_DIM=d, so that a first call compiles one tile shape; without it (the CI's compile check),
+// every head dim of the kernel's row of KERNELS.
 template <int n = 0, typename T, typename F>
 void with_head_dim(int d, F f) {
   if constexpr (n == sizeof(SPEC.head_dims) / sizeof(int) || SPEC.head_dims[n] == 0) {
-    TORCH_CHECK(false, "kernel '", KERNEL, "' has no head dim ", d);
+    TORCH_CHECK(false, "this build of kernel '", KERNEL, "' has no head dim ", d);
   } else {
-    if (d == SPEC.head_dims[n]) return f.template operator()<T, SPEC.head_dims[n]>();
+#ifdef HEAD_DIM
+    constexpr bool built = SPEC.head_dims[n] == HEAD_DIM;
+#else
+    constexpr bool built = true;
+#endif
+    if constexpr (built)
+      if (d == SPEC.head_dims[n]) return f.template operator()<T, SPEC.head_dims[n]>();
     with_head_dim<n + 1, T>(d, f);
   }
 }

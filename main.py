@@ -50,6 +50,7 @@ KERNELS = _kernel_table()
 SPLIT_KV_MAX_QUERIES = int(re.search(r"constexpr int SPLIT_KV_MAX_QUERIES = (\d+);",
                                      open(os.path.join(ROOT, "flash.cu")).read()).group(1))
 DTYPES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
+MAX_HEAD_DIM = max(max(kn["head_dims"]) for kn in KERNELS.values())  # 256
 MAX_GRID = 65535  # H and B are the grid's y and z dimensions
 
 
@@ -87,26 +88,35 @@ def list_kernels():
 def pick_kernel(dtype, d, arch, kernel="auto", sm90a=True):
     """The kernel that runs dtype ("float16", ...) with head dim d on sm_<arch>: for "auto" the most specialised
     that fits (float16: volta on sm_70, turing on sm_75, ampere from sm_80 on, hopper on sm_90), else the one
-    named if it fits. sm90a: flash.cu is built for sm_90a (the hopper kernel needs it)."""
+    named if it fits. A kernel fits any d up to its widest tile (tile_dim). sm90a: flash.cu is built for sm_90a
+    (the hopper kernel needs it)."""
     fits = [n for n, kn in KERNELS.items()
-            if dtype in kn["dtypes"] and d in kn["head_dims"] and _runs_on(kn, arch, sm90a)]
+            if dtype in kn["dtypes"] and d <= max(kn["head_dims"]) and _runs_on(kn, arch, sm90a)]
     if kernel == "auto":
         if not fits:
             raise ValueError(f"no kernel takes dtype {dtype} with head dim {d} on sm_{arch}; kernels: "
-                             + "; ".join(f"{n}: {list(kn['dtypes'])}, d in {list(kn['head_dims'])}, {_gpus(kn)}"
+                             + "; ".join(f"{n}: {list(kn['dtypes'])}, d <= {max(kn['head_dims'])}, {_gpus(kn)}"
                                          for n, kn in KERNELS.items()))
         return fits[-1]  # KERNELS is ordered from the most general to the most specialised
     if kernel not in fits:
         kn = KERNELS[kernel]
-        raise ValueError(f"kernel {kernel!r} takes dtypes {list(kn['dtypes'])}, head dims {list(kn['head_dims'])} "
-                         f"and {_gpus(kn)}; got {dtype}, d={d}, sm_{arch}. "
+        raise ValueError(f"kernel {kernel!r} takes dtypes {list(kn['dtypes'])}, head dims up to "
+                         f"{max(kn['head_dims'])} and {_gpus(kn)}; got {dtype}, d={d}, sm_{arch}. "
                          f"Kernels that fit: {fits or 'none'}")
     return kernel
 
 
+@functools.cache
+def tile_dim(kernel, d):
+    """The narrowest tile width of kernel that holds head dim d: its kernels run on q, k, v padded with zeros to
+    that width (which adds 0 to every score q.k and gives output columns that are dropped). d = 80 runs on the
+    96-wide tiles, d = 111 on the 128-wide."""
+    return min(D for D in KERNELS[kernel]["head_dims"] if D >= d)
+
+
 # ---------------------------------------------------------------------------------------------------------
-# Building: one extension per kernel, compiled from flash.cu with -DBUILD_<name> on its first use, so that
-# a first call compiles one kernel family, not all of them.
+# Building: one extension per kernel and tile width, compiled from flash.cu with -DBUILD_<name> -DHEAD_DIM=<d>
+# on its first use, so that a first call compiles one tile shape of one kernel, not all of them.
 
 _extensions = {}
 
@@ -125,11 +135,12 @@ def _builds_sm90a():
     return "9.0a" in _arch_list()
 
 
-def load(kernel):
-    """The extension of one kernel of flash.cu (its forward and, if it has one, backward), compiled for the GPU
-    present (or TORCH_CUDA_ARCH_LIST) on first use; later calls, and later processes, reuse the build."""
-    if kernel in _extensions:
-        return _extensions[kernel]
+def load(kernel, d=64):
+    """The extension of one kernel of flash.cu at tile width d (its forward and, if it has one, backward),
+    compiled for the GPU present (or TORCH_CUDA_ARCH_LIST) on first use; later calls, and later processes,
+    reuse the build."""
+    if (kernel, d) in _extensions:
+        return _extensions[kernel, d]
     gencode, tags = [], []
     for arch in _arch_list():  # "8.6", "9.0a", "8.0+PTX"
         number = arch.replace("+PTX", "").replace(".", "")
@@ -137,7 +148,7 @@ def load(kernel):
         if arch.endswith("+PTX"):
             gencode.append(f"-gencode=arch=compute_{number},code=compute_{number}")
         tags.append(number + ("ptx" if arch.endswith("+PTX") else ""))
-    name = f"flash_{kernel}_sm{'_'.join(tags)}"
+    name = f"flash_{kernel}_d{d}_sm{'_'.join(tags)}"
     build_dir = os.path.join(ROOT, "build", name)
     library = os.path.join(build_dir, name + ".so")
     if os.path.exists(library) and os.path.getmtime(library) > max(os.path.getmtime(os.path.join(ROOT, f))
@@ -145,24 +156,27 @@ def load(kernel):
         # built after the last edit of its sources: import it as it is (torch's loader would first start
         # ninja to check that, which costs seconds)
         spec = importlib.util.spec_from_file_location(name, library)
-        _extensions[kernel] = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(_extensions[kernel])
-        return _extensions[kernel]
+        _extensions[kernel, d] = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(_extensions[kernel, d])
+        return _extensions[kernel, d]
     from torch.utils.cpp_extension import load as load_extension
     os.makedirs(build_dir, exist_ok=True)
-    print(f"Building the {kernel} kernel for sm_{', sm_'.join(tags)} (first use only)...", file=sys.stderr, flush=True)
-    _extensions[kernel] = load_extension(
+    print(f"Building the {kernel} kernel, d = {d}, for sm_{', sm_'.join(tags)} (first use only)...", file=sys.stderr,
+          flush=True)
+    _extensions[kernel, d] = load_extension(
         name=name, sources=[os.path.join(ROOT, "flash.cu")], build_directory=build_dir,
         extra_cuda_cflags=["-O3", "-std=c++20", "-lineinfo", "-diag-suppress=3189,20013,20015",
                            "--split-compile=0",  # optimise the kernels of one file on all cores
-                           f"-DBUILD_{kernel}", *gencode])
-    return _extensions[kernel]
+                           f"-DBUILD_{kernel}", f"-DHEAD_DIM={d}", *gencode])
+    return _extensions[kernel, d]
 
 
-def build(kernels):
-    """Builds several kernels at once (each build is its own nvcc process)."""
-    with ThreadPoolExecutor(len(kernels) or 1) as pool:
-        list(pool.map(load, kernels))
+def build(kernels, head_dims=(64,)):
+    """Builds several kernels at once, at each tile width in head_dims that they have (one nvcc process each, as
+    many at once as there are cores)."""
+    jobs = [(k, d) for k in kernels for d in head_dims if d in KERNELS[k]["head_dims"]]
+    with ThreadPoolExecutor(max(1, min(len(jobs), os.cpu_count() or 1))) as pool:
+        list(pool.map(lambda job: load(*job), jobs))
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -183,15 +197,23 @@ def _stream(t):
     return torch.cuda.current_stream(t.device).cuda_stream
 
 
+def _padded(t, D):
+    """t with its last dimension padded with zeros to D, a tile width (t itself if it has D already)."""
+    return t if t.shape[-1] == D else torch.nn.functional.pad(t, (0, D - t.shape[-1]))
+
+
 def _run_forward(q, k, v, causal, scale, kernel, seqlens_k=None):
     """O (B, H_q, N_q, d) and L (B, H_q, N_q), the row log-sum-exp in natural log, float32. seqlens_k (int32,
     (B,)): each sequence's number of keys, for the split-KV kernels only (flash_attention_with_kvcache)."""
     kernel = pick_kernel(DTYPES[q.dtype], q.shape[-1], _arch(q.device), kernel, _builds_sm90a())
     if q.numel() == 0 or k.shape[2] == 0:  # (no keys: every row sees none, so O = 0 and L = -inf)
         return torch.zeros_like(q), q.new_full(q.shape[:-1], -math.inf, dtype=torch.float32)
-    q, k, v = _readable(q), _readable(k), _readable(v)
+    d, D = q.shape[-1], tile_dim(kernel, q.shape[-1])
+    q_, k_, v_ = (_readable(_padded(t, D)) for t in (q, k, v))
     with torch.cuda.device(q.device):
-        o, L = load(kernel).forward(q, k, v, causal, scale, seqlens_k, _stream(q))
+        o, L = load(kernel, D).forward(q_, k_, v_, causal, scale, seqlens_k, _stream(q))
+    if D != d:  # the first d columns, in q's layout as the op's fake implementation says
+        o = torch.empty_like(q).copy_(o[..., :d])
     return o, L
 
 
@@ -217,12 +239,15 @@ def _backward(do: torch.Tensor, dL: Optional[torch.Tensor], q: torch.Tensor, k: 
     if q.numel() == 0 or k.numel() == 0:
         return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
     name, dtype = KERNELS[kernel]["backward_kernel"], q.dtype
-    tensors = [_readable(t) for t in (q, k, v, o, do)]
+    d, D = q.shape[-1], tile_dim(name, q.shape[-1])
+    tensors = [_readable(_padded(t, D)) for t in (q, k, v, o, do)]
     if DTYPES[dtype] not in KERNELS[name]["dtypes"]:
         tensors = [t.float() for t in tensors]  # the fallback: the fp32 backward on upcast inputs
     q_, k_, v_, o_, do_ = tensors
     with torch.cuda.device(q.device):
-        dq, dk, dv = load(name).backward(q_, k_, v_, o_, L, do_, dL, causal, scale, _stream(q))
+        dq, dk, dv = load(name, D).backward(q_, k_, v_, o_, L, do_, dL, causal, scale, _stream(q))
+    if D != d:
+        dq, dk, dv = (x[..., :d].contiguous() for x in (dq, dk, dv))
     if dk.shape[1] != k.shape[1]:  # grouped-query attention: one dK, dV per query head, summed over each group
         dk, dv = (x.unflatten(1, (k.shape[1], -1)).sum(2) for x in (dk, dv))
     return dq.to(dtype), dk.to(dtype), dv.to(dtype)
@@ -288,6 +313,8 @@ def _check_inputs(q, k, v, causal, softmax_scale, kernel, return_lse):
             raise ValueError(f"{name} must be a CUDA tensor, got a tensor on {t.device}")
     if not (q.device == k.device == v.device):
         raise ValueError(f"q, k, v must be on one device, got {q.device}, {k.device}, {v.device}")
+    if not 1 <= q.shape[3] <= MAX_HEAD_DIM:
+        raise ValueError(f"the head dim d must be between 1 and {MAX_HEAD_DIM}, got {q.shape[3]}")
     if q.shape[0] > MAX_GRID or q.shape[1] > MAX_GRID:
         raise ValueError(f"B and H must each be at most {MAX_GRID}, got B = {q.shape[0]}, H = {q.shape[1]}")
 
@@ -439,8 +466,8 @@ def _check_gpu():
     print(f"GPU: {torch.cuda.get_device_name()} (sm_{_arch()}), torch {torch.__version__}, CUDA {torch.version.cuda}")
     names = [kn["name"] for kn in list_kernels() if kn["available"]]
     t0 = time.time()
-    print(f"Building (or loading) {', '.join(names)}...", flush=True)
-    build(names)
+    print(f"Building (or loading) {', '.join(names)} at every tile width...", flush=True)
+    build(names, sorted({d for kn in KERNELS.values() for d in kn["head_dims"]}))  # (the tests use them all)
     print(f"ready in {time.time() - t0:.1f} s")
     torch.backends.cuda.matmul.allow_tf32 = False
     # PyTorch warns when autograd's own thread makes the first cuBLAS call; it sets the context itself.

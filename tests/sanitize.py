@@ -9,9 +9,10 @@ hazards: a missing __syncthreads), synccheck (barriers not every thread reaches)
 global memory nothing wrote). Needs a CUDA GPU and compute-sanitizer, which comes with the CUDA toolkit.
 
 The script builds flash.cu first, without a sanitizer, then runs itself once per tool with --case: every
-available kernel, dtype and head dim, forward and autograd backward, B = 1, H = 2, N in (1, 37, 130) (one
-row; one ragged block; several blocks and a ragged last one), causal and not (causal on transposed views,
-read through their strides), and unequal lengths with grouped-query attention (SHAPES). Racecheck, the slow
+available kernel, dtype and tile width (head dim), forward and autograd backward: at d = 64, B = 1, H = 2,
+N in (1, 37, 130) (one row; one ragged block; several blocks and a ragged last one), causal and not (causal
+on transposed views, read through their strides), and unequal lengths with grouped-query attention (SHAPES);
+at the other tile widths, a ragged causal GQA shape and a split-KV decoding one. Racecheck, the slow
 one, uses N = 130 only. It prints one line per tool, the output tail of any tool that reported something, and exits
 1 if any did. (pytest collects test_*.py only, so this file is not a test.)
 """
@@ -38,10 +39,12 @@ OPTIONS = {"memcheck": ONLY_OURS + ["--padding", "64"],  # a gap after each allo
            "racecheck": ONLY_OURS, "synccheck": ONLY_OURS, "initcheck": []}
 
 
-def problems(lengths):
-    """(N_q, N_k, H_q, H_kv, causal): equal lengths N, causal and not; then unequal lengths with grouped-query
-    attention, N_q < N_k (at N_q = 1 the split-KV kernels split 1100 keys four ways) and N_q > N_k (causal: the
-    first queries see no key)."""
+def problems(lengths, d):
+    """(N_q, N_k, H_q, H_kv, causal): at d = 64, equal lengths N, causal and not, then unequal lengths with
+    grouped-query attention, N_q < N_k (at N_q = 1 the split-KV kernels split 1100 keys four ways) and N_q > N_k
+    (causal: the first queries see no key); at every other tile width, one ragged shape of each kind."""
+    if d != 64:
+        return [(max(lengths), max(lengths), 2, 1, True), (1, 1100, 8, 2, False)]
     return [(N, N, 2, 2, causal) for N in lengths for causal in (False, True)] + \
         [(N_q, N_k, H_q, H_kv, causal) for (N_q, N_k, H_q, H_kv) in SHAPES for causal in (False, True)]
 
@@ -54,7 +57,7 @@ def run_cases(lengths):
             continue
         for dtype in kn["dtypes"]:
             for d in kn["head_dims"]:
-                for N_q, N_k, H_q, H_kv, causal in problems(lengths):
+                for N_q, N_k, H_q, H_kv, causal in problems(lengths, d):
                     # causal: (B, N, H, d) storage seen through .transpose(1, 2), read in place
                     def make(H, N):
                         x = torch.randn((1, N, H, d) if causal else (1, H, N, d), device="cuda",
@@ -115,7 +118,8 @@ if __name__ == "__main__":
     if set(tools) - set(TOOLS):
         sys.exit(f"unknown tool in {args.tools}; choose from {', '.join(TOOLS)}")
     sanitizer = find_sanitizer()
-    main.build([k["name"] for k in main.list_kernels() if k["available"]])  # once, outside the sanitizer
+    main.build([k["name"] for k in main.list_kernels() if k["available"]],  # once, outside the sanitizer
+               sorted({d for k in main.list_kernels() for d in k["head_dims"]}))
     print(f"GPU: {torch.cuda.get_device_name()}, torch {torch.__version__}, CUDA {torch.version.cuda}")
     print(f"{'tool':<10} {'errors':>6} {'seconds':>7}  kernels covered")
     failed = []

@@ -15,6 +15,10 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 FLOOR = {torch.float32: 1e-6, torch.float16: 1e-4, torch.bfloat16: 1e-3}
 CASES = [(k["name"], dtype, d) for k in list_kernels() if k["available"] for dtype in k["dtypes"] for d in k["head_dims"]]
+# Every N at the head dims most models use; a ragged few at every other tile width
+GRID = [(*case, N) for case in CASES for N in ([1, 7, 63, 64, 65, 200, 1000, 1024] if case[2] in (64, 128) else [1, 65, 200])]
+# Head dims that are no tile width, from FlashAttention's own test grid (and the smallest): padded to the next
+PADDED = [8, 40, 59, 80, 111, 224]
 
 
 def sdpa(causal, scale=None):
@@ -53,12 +57,25 @@ def check(kernel, q, k, v, do, causal, scale=None):
 
 
 @pytest.mark.parametrize("causal", [False, True])
-@pytest.mark.parametrize("N", [1, 7, 63, 64, 65, 200, 1000, 1024])
-@pytest.mark.parametrize("kernel, dtype, d", CASES)
+@pytest.mark.parametrize("kernel, dtype, d, N", GRID)
 def test_against_float64(kernel, dtype, d, N, causal):
     torch.manual_seed(N * 7 + d)
     q, k, v, do = (torch.randn(2, 3, N, d, device="cuda", dtype=DTYPES[dtype]) for _ in range(4))
     check(kernel, q, k, v, do, causal)
+
+
+@pytest.mark.parametrize("d", PADDED)
+@pytest.mark.parametrize("kernel, dtype", sorted({(k, dtype) for k, dtype, _ in CASES}))
+def test_head_dims_between_tile_widths(kernel, dtype, d):
+    """q, k, v are padded with zeros to the next tile width (main.tile_dim) and O, dQ, dK, dV cut back."""
+    if d > max(d for k, _, d in CASES if k == kernel):
+        pytest.skip(f"kernel {kernel} has no tile of width >= {d}")
+    torch.manual_seed(d)
+    q, do = (torch.randn(2, 4, 130, d, device="cuda", dtype=DTYPES[dtype]) for _ in range(2))
+    k, v = (torch.randn(2, 2, 77, d, device="cuda", dtype=DTYPES[dtype]) for _ in range(2))
+    for causal in (False, True):
+        o = check(kernel, q, k, v, do, causal)[0]
+        assert o.stride() == q.stride(), "O has q's layout, as the op's fake implementation says"
 
 
 @pytest.mark.parametrize("kernel, dtype, d", [c for c in CASES if c[2] == 64])

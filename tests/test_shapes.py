@@ -56,7 +56,7 @@ def test_unequal_lengths_and_groups(kernel, dtype, N_q, N_k, H_kv, causal):
     check(kernel, q, k, v, do, causal)
 
 
-@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("d", [64, 128, 32, 80, 160, 256])
 @pytest.mark.parametrize("kernel, dtype", SPLIT_KV)
 def test_decoding_splits_the_keys(kernel, dtype, d):
     """One query per head against long caches: B * H_kv blocks are few, so the keys are split over many

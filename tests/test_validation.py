@@ -64,7 +64,8 @@ def test_list_kernels_fields():
     ("float16", 64, 70, "volta"), ("float16", 128, 75, "turing"), ("float16", 64, 80, "ampere"),
     ("float16", 128, 90, "hopper"), ("bfloat16", 64, 90, "hopper"), ("float16", 64, 100, "ampere"),
     ("bfloat16", 64, 80, "ampere"), ("float32", 64, 70, "fp32"),
-    ("float32", 96, 90, "fp32"), ("float16", 96, 90, None), ("bfloat16", 64, 75, None),
+    ("float32", 96, 90, "fp32"), ("float16", 96, 90, "hopper"), ("float16", 200, 75, None),
+    ("float16", 256, 80, "ampere"), ("float32", 256, 70, "fp32"), ("bfloat16", 64, 75, None),
 ])
 def test_auto_picks_the_kernel_of_each_generation(dtype, d, arch, expected):
     if expected is None:
@@ -72,6 +73,13 @@ def test_auto_picks_the_kernel_of_each_generation(dtype, d, arch, expected):
             pick_kernel(dtype, d, arch)
     else:
         assert pick_kernel(dtype, d, arch) == expected
+
+
+def test_any_head_dim_runs_on_the_narrowest_tile_that_holds_it():
+    assert [main.tile_dim("hopper", d) for d in (1, 8, 32, 33, 80, 96, 111, 160, 200, 256)] == \
+        [32, 32, 32, 64, 96, 96, 128, 160, 256, 256]
+    assert [main.tile_dim("fp32", d) for d in (5, 16, 40, 256)] == [16, 16, 64, 256]
+    assert main.tile_dim("turing", 80) == 128 and main.MAX_HEAD_DIM == 256
 
 
 def test_hopper_needs_an_sm90a_build():
@@ -92,8 +100,10 @@ def test_a_named_kernel_runs_on_any_gpu_that_can_execute_it():
 @cuda
 def test_bad_inputs_on_gpu():
     q, k, v = qkv(device="cuda")
-    with pytest.raises(ValueError, match="head dim 48|d=48"):
-        flash_attention(*qkv((1, 2, 8, 48), device="cuda"))
+    with pytest.raises(ValueError, match="the head dim d must be between 1 and 256, got 257"):
+        flash_attention(*qkv((1, 2, 8, 257), device="cuda"))
+    with pytest.raises(ValueError, match="kernel 'volta' takes dtypes \\['float16'\\], head dims up to 128"):
+        flash_attention(*qkv((1, 2, 8, 160), device="cuda", dtype=torch.float16), kernel="volta")
     with pytest.raises(ValueError, match="one device|v must be a CUDA tensor"):
         flash_attention(q, k, v.cpu()) if torch.cuda.device_count() < 2 else flash_attention(q, k, v.to("cuda:1"))
     with pytest.raises(ValueError, match="B and H must each be at most 65535, got B = 65536"):
@@ -105,7 +115,7 @@ def test_kernel_table_is_read_from_flash_cu():
     text = (ROOT / "flash.cu").read_text()
     rows = text[text.index("constexpr KernelSpec KERNELS[] = {"):].split("};")[0]
     assert [k["name"] for k in list_kernels()] == re.findall(r'\{"(\w+)", "', rows)
-    assert main.KERNELS["ampere"]["head_dims"] == (64, 128) and main.KERNELS["hopper"]["sm90a"]
+    assert main.KERNELS["ampere"]["head_dims"] == (32, 64, 96, 128, 160, 192, 256) and main.KERNELS["hopper"]["sm90a"]
     assert main.KERNELS["volta"]["backward_kernel"] == "fp32"
 
 
