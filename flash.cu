@@ -2092,7 +2092,7 @@ template <typename T, int d, int B_c = d <= 64 ? 128 : 64>
 void fwd_ampere(const at::Tensor& Q, const at::Tensor& K, const at::Tensor& V, at::Tensor& O, at::Tensor& L,
                 bool causal, float scale, cudaStream_t stream) {
   // Four warps of M = 2 tiles of 16 rows, B_r = 128, and B_c = 128 (d <= 64) or 64, as FlashAttention-2 on
-  // sm_90; these were faster than key blocks half that size. At d = 128, 255 registers (24 bytes spilled)
+  // sm_90; these were faster than key blocks half that size. At d = 128, 255 registers (no spills)
   // let two blocks share an SM. Past d = 128 one tile per warp (M = 1, B_r = 64) keeps O_i in registers.
   // Where a block gets less shared memory (d = 128: 102 KB, more than the 99 KB of sm_86 and sm_89; d = 256:
   // 169 KB, more than an A100's 163 KB), B_c is halved until the tiles fit.
