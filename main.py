@@ -202,37 +202,38 @@ def _padded(t, D):
     return t if t.shape[-1] == D else torch.nn.functional.pad(t, (0, D - t.shape[-1]))
 
 
-def _run_forward(q, k, v, causal, scale, kernel, seqlens_k=None):
-    """O (B, H_q, N_q, d) and L (B, H_q, N_q), the row log-sum-exp in natural log, float32. seqlens_k (int32,
-    (B,)): each sequence's number of keys, for the split-KV kernels only (flash_attention_with_kvcache)."""
+def _run_forward(q, k, v, window, scale, softcap, alibi_slopes, kernel, seqlens_k=None):
+    """O (B, H_q, N_q, d) and L (B, H_q, N_q), the row log-sum-exp in natural log, float32. window: (left, right),
+    -1 for no bound (causal: right = 0). seqlens_k (int32, (B,)): each sequence's number of keys, for the
+    split-KV kernels only (flash_attention_with_kvcache)."""
     kernel = pick_kernel(DTYPES[q.dtype], q.shape[-1], _arch(q.device), kernel, _builds_sm90a())
     if q.numel() == 0 or k.shape[2] == 0:  # (no keys: every row sees none, so O = 0 and L = -inf)
         return torch.zeros_like(q), q.new_full(q.shape[:-1], -math.inf, dtype=torch.float32)
     d, D = q.shape[-1], tile_dim(kernel, q.shape[-1])
     q_, k_, v_ = (_readable(_padded(t, D)) for t in (q, k, v))
     with torch.cuda.device(q.device):
-        o, L = load(kernel, D).forward(q_, k_, v_, causal, scale, seqlens_k, _stream(q))
+        o, L = load(kernel, D).forward(q_, k_, v_, *window, scale, softcap, alibi_slopes, seqlens_k, _stream(q))
     if D != d:  # the first d columns, in q's layout as the op's fake implementation says
         o = torch.empty_like(q).copy_(o[..., :d])
     return o, L
 
 
 @torch.library.custom_op("flash::forward", mutates_args=())
-def _forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float,
-             kernel: str) -> tuple[torch.Tensor, torch.Tensor]:
+def _forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window_left: int, window_right: int, scale: float,
+             softcap: float, alibi_slopes: Optional[torch.Tensor], kernel: str) -> tuple[torch.Tensor, torch.Tensor]:
     """_run_forward as an op: what torch.compile traces and autograd differentiates."""
-    return _run_forward(q, k, v, causal, scale, kernel)
+    return _run_forward(q, k, v, (window_left, window_right), scale, softcap, alibi_slopes, kernel)
 
 
 @_forward.register_fake
-def _(q, k, v, causal, scale, kernel):
+def _(q, k, v, window_left, window_right, scale, softcap, alibi_slopes, kernel):
     return torch.empty_like(q), q.new_empty(q.shape[:-1], dtype=torch.float32)
 
 
 @torch.library.custom_op("flash::backward", mutates_args=())
 def _backward(do: torch.Tensor, dL: Optional[torch.Tensor], q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-              o: torch.Tensor, L: torch.Tensor, causal: bool, scale: float,
-              kernel: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+              o: torch.Tensor, L: torch.Tensor, window_left: int, window_right: int, scale: float, softcap: float,
+              alibi_slopes: Optional[torch.Tensor], kernel: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """dQ, dK, dV for the loss sum(O * dO) + sum(L * dL) (dL may be None). A gradient through L changes only
     D_i: dL_i/dS_ij = P_ij, so dS_ij = P_ij o (dP_ij - D_i + dL_i), the kernels' own step with D_i - dL_i."""
     kernel = pick_kernel(DTYPES[q.dtype], q.shape[-1], _arch(q.device), kernel, _builds_sm90a())
@@ -245,7 +246,8 @@ def _backward(do: torch.Tensor, dL: Optional[torch.Tensor], q: torch.Tensor, k: 
         tensors = [t.float() for t in tensors]  # the fallback: the fp32 backward on upcast inputs
     q_, k_, v_, o_, do_ = tensors
     with torch.cuda.device(q.device):
-        dq, dk, dv = load(name, D).backward(q_, k_, v_, o_, L, do_, dL, causal, scale, _stream(q))
+        dq, dk, dv = load(name, D).backward(q_, k_, v_, o_, L, do_, dL, window_left, window_right, scale, softcap,
+                                            alibi_slopes, _stream(q))
     if D != d:
         dq, dk, dv = (x[..., :d].contiguous() for x in (dq, dk, dv))
     if dk.shape[1] != k.shape[1]:  # grouped-query attention: one dK, dV per query head, summed over each group
@@ -254,14 +256,14 @@ def _backward(do: torch.Tensor, dL: Optional[torch.Tensor], q: torch.Tensor, k: 
 
 
 @_backward.register_fake
-def _(do, dL, q, k, v, o, L, causal, scale, kernel):
+def _(do, dL, q, k, v, o, L, window_left, window_right, scale, softcap, alibi_slopes, kernel):
     return q.new_empty(q.shape), torch.empty_like(k), torch.empty_like(v)
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, causal, scale, kernel = inputs
+    q, k, v, window_left, window_right, scale, softcap, alibi_slopes, kernel = inputs
     ctx.save_for_backward(q, k, v, *output)
-    ctx.causal, ctx.scale, ctx.kernel = causal, scale, kernel
+    ctx.options = window_left, window_right, scale, softcap, alibi_slopes, kernel
     ctx.set_materialize_grads(False)  # an unused output (L, usually) gets None, not a tensor of zeros
 
 
@@ -269,14 +271,14 @@ def _autograd_backward(ctx, do, dL):
     q, k, v, o, L = ctx.saved_tensors
     if do is None:
         do = torch.zeros_like(o)
-    dq, dk, dv = _backward(do, dL, q, k, v, o, L, ctx.causal, ctx.scale, ctx.kernel)
-    return dq, dk, dv, None, None, None
+    dq, dk, dv = _backward(do, dL, q, k, v, o, L, *ctx.options)
+    return dq, dk, dv, None, None, None, None, None, None
 
 
 _forward.register_autograd(_autograd_backward, setup_context=_setup_context)
 
 
-def _check_inputs(q, k, v, causal, softmax_scale, kernel, return_lse):
+def _check_inputs(q, k, v, causal, softmax_scale, kernel, return_lse, window=(-1, -1), alibi_slopes=None, softcap=0.0):
     """Every check that needs no GPU, in Python, before any launch (the kernel's fit is checked by pick_kernel
     inside the op, which knows the GPU)."""
     for name, t in (("q", q), ("k", k), ("v", v)):
@@ -304,6 +306,7 @@ def _check_inputs(q, k, v, causal, softmax_scale, kernel, return_lse):
     if softmax_scale is not None and (isinstance(softmax_scale, bool) or not isinstance(softmax_scale, (int, float))
                                       or not math.isfinite(softmax_scale)):
         raise ValueError(f"softmax_scale must be None or a finite number, got {softmax_scale!r}")
+    _check_scores(q, window, alibi_slopes, softcap)
     if not isinstance(kernel, str):
         raise TypeError(f"kernel must be a string, got {type(kernel).__name__}")
     if kernel != "auto" and kernel not in KERNELS:
@@ -319,7 +322,33 @@ def _check_inputs(q, k, v, causal, softmax_scale, kernel, return_lse):
         raise ValueError(f"B and H must each be at most {MAX_GRID}, got B = {q.shape[0]}, H = {q.shape[1]}")
 
 
-def flash_attention(q, k, v, causal=False, softmax_scale=None, kernel="auto", return_lse=False):
+def _check_scores(q, window, alibi_slopes, softcap):
+    """The masks and score modifications (flash.cu's Scores), checked as FlashAttention takes them."""
+    if (not isinstance(window, (tuple, list)) or len(window) != 2
+            or any(isinstance(w, bool) or not isinstance(w, int) or w < -1 for w in window)):
+        raise ValueError(f"window must be a pair of integers (left, right), each >= -1 (-1: no bound), got {window!r}")
+    if isinstance(softcap, bool) or not isinstance(softcap, (int, float)) or not math.isfinite(softcap) or softcap < 0:
+        raise ValueError(f"softcap must be a finite number >= 0 (0: off), got {softcap!r}")
+    if alibi_slopes is not None:
+        B, H_q = q.shape[0], q.shape[1]
+        if not isinstance(alibi_slopes, torch.Tensor):
+            raise TypeError(f"alibi_slopes must be None or a torch.Tensor, got {type(alibi_slopes).__name__}")
+        if (alibi_slopes.dtype != torch.float32 or tuple(alibi_slopes.shape) not in ((H_q,), (B, H_q))
+                or alibi_slopes.device != q.device):
+            raise ValueError(f"alibi_slopes must be a float32 tensor of shape (H_q,) = ({H_q},) or (B, H_q) = "
+                             f"({B}, {H_q}) on {q.device}, got {alibi_slopes.dtype} {tuple(alibi_slopes.shape)} "
+                             f"on {alibi_slopes.device}")
+
+
+def _options(causal, window, alibi_slopes, softcap):
+    """The arguments the kernels take: window (left, right) with causal as right = 0 (FlashAttention's rule),
+    softcap as a float, the slopes contiguous."""
+    left, right = window
+    return (left, 0 if causal else right), float(softcap), None if alibi_slopes is None else alibi_slopes.contiguous()
+
+
+def flash_attention(q, k, v, causal=False, softmax_scale=None, kernel="auto", return_lse=False, window=(-1, -1),
+                    alibi_slopes=None, softcap=0.0):
     """softmax(q k^T * softmax_scale) v without an N_q x N_k matrix. q (B, H_q, N_q, d); k, v (B, H_kv, N_k, d),
     where H_kv divides H_q: query head h reads key/value head h // (H_q / H_kv) (grouped-query attention).
 
@@ -330,19 +359,27 @@ def flash_attention(q, k, v, causal=False, softmax_scale=None, kernel="auto", re
     scores (FlashAttention's softmax_lse), which lets partial results be merged (reference.merge).
     Differentiable, L included. On the split_kv kernels, N_q <= SPLIT_KV_MAX_QUERIES (decoding) runs a
     split-KV kernel that spreads the keys over the GPU.
+
+    Masks and score modifications, as FlashAttention's arguments of the same names (reference.py has each):
+    window (left, right): query i sees keys j with i + N_k - N_q - left <= j <= i + N_k - N_q + right; -1 is
+    no bound; causal sets right = 0 (a sliding window: causal=True, window=(w, -1)). Key blocks outside every
+    window are never computed. alibi_slopes (H_q,) or (B, H_q), float32: adds -slope_h |i + N_k - N_q - j| to
+    the scaled scores. softcap c > 0: scores become c tanh(scores / c) (after the scale, before ALiBi).
     """
-    _check_inputs(q, k, v, causal, softmax_scale, kernel, return_lse)
+    _check_inputs(q, k, v, causal, softmax_scale, kernel, return_lse, window, alibi_slopes, softcap)
     scale = 1.0 / math.sqrt(q.shape[-1]) if softmax_scale is None else float(softmax_scale)
+    window, softcap, alibi_slopes = _options(causal, window, alibi_slopes, softcap)
     if torch.compiler.is_compiling() or (torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or
                                                                       v.requires_grad)):
-        o, L = _forward(q, k, v, causal, scale, kernel)
+        o, L = _forward(q, k, v, *window, scale, softcap, alibi_slopes, kernel)
     else:  # inference, eagerly: the kernels without the op's dispatch, which costs as much as a decoding step
-        o, L = _run_forward(q, k, v, causal, scale, kernel)
+        o, L = _run_forward(q, k, v, window, scale, softcap, alibi_slopes, kernel)
     return (o, L) if return_lse else o
 
 
 def flash_attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, k=None, v=None, causal=True,
-                                 softmax_scale=None, kernel="auto", return_lse=False):
+                                 softmax_scale=None, kernel="auto", return_lse=False, window=(-1, -1),
+                                 alibi_slopes=None, softcap=0.0):
     """Attention of new tokens against a KV cache, for generation (inference: no gradients).
 
     q (B, H_q, N_q, d): the new tokens' queries. k_cache, v_cache (B, H_kv, N_max, d): room for N_max tokens per
@@ -352,10 +389,11 @@ def flash_attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, k=None, v=N
     sequence then attends over its own cache_seqlens[b] + N_new keys; with causal (the default) new token i
     sees them up to itself (bottom right). Decoding (N_q <= SPLIT_KV_MAX_QUERIES on a split_kv kernel) reads
     the lengths on the GPU; otherwise each sequence is one flash_attention call on a view of its cache.
+    window, alibi_slopes, softcap: as flash_attention's, aligned to each sequence's own length.
     """
     if not isinstance(k_cache, torch.Tensor) or not isinstance(v_cache, torch.Tensor):
         raise TypeError("k_cache and v_cache must be torch.Tensors")
-    _check_inputs(q, k_cache, v_cache, causal, softmax_scale, kernel, return_lse)
+    _check_inputs(q, k_cache, v_cache, causal, softmax_scale, kernel, return_lse, window, alibi_slopes, softcap)
     B, H_kv, N_max, d = k_cache.shape
     if (k is None) != (v is None):
         raise ValueError("give both k and v (the new tokens' keys and values), or neither")
@@ -383,11 +421,14 @@ def flash_attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, k=None, v=N
         k_cache[batch, :, positions] = k.transpose(1, 2)  # indexed as (B, N_new, H_kv, d)
         v_cache[batch, :, positions] = v.transpose(1, 2)
     scale = 1.0 / math.sqrt(d) if softmax_scale is None else float(softmax_scale)
+    window, softcap, alibi_slopes = _options(causal, window, alibi_slopes, softcap)
     kernel = pick_kernel(DTYPES[q.dtype], d, _arch(q.device), kernel, _builds_sm90a())
     if KERNELS[kernel]["split_kv"] and q.shape[2] <= SPLIT_KV_MAX_QUERIES:
-        o, L = _run_forward(q, k_cache, v_cache, causal, scale, kernel, seqlens + N_new)
+        o, L = _run_forward(q, k_cache, v_cache, window, scale, softcap, alibi_slopes, kernel, seqlens + N_new)
     else:
-        parts = [_run_forward(q[b:b + 1], k_cache[b:b + 1, :, :n], v_cache[b:b + 1, :, :n], causal, scale, kernel)
+        per_batch = alibi_slopes is not None and alibi_slopes.dim() == 2  # (B, H_q): sequence b's row
+        parts = [_run_forward(q[b:b + 1], k_cache[b:b + 1, :, :n], v_cache[b:b + 1, :, :n], window, scale, softcap,
+                              alibi_slopes[b] if per_batch else alibi_slopes, kernel)
                  for b, n in enumerate(lengths)]
         o, L = (torch.cat(x) for x in zip(*parts))
     return (o, L) if return_lse else o

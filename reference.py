@@ -19,7 +19,10 @@ The departures from the paper, each of which the kernels share:
     j <= i + N_k - N_q (with N_q = N_k, j <= i), so that the last query sees every key; blocks that are
     entirely masked are skipped. A query that sees no key at all (causal, N_q > N_k) gets O = 0, L = -inf;
   - grouped-query attention (GQA, the paper's section 3.1; MQA when H_kv = 1): query head h reads
-    key/value head h // (H_q / H_kv), and dK, dV sum over the query heads of a group.
+    key/value head h // (H_q / H_kv), and dK, dV sum over the query heads of a group;
+  - masks and score modifications, as FlashAttention's arguments: a window (left, right) around each query's
+    diagonal position i + N_k - N_q (causal is right = 0), ALiBi slopes and a softcap, applied to S_ij in one
+    step (_modified, _hidden) before the online softmax; key blocks outside every window are skipped.
 The "l.N" tags are the line numbers of the paper's Algorithms 1 and 2.
 """
 import math
@@ -49,36 +52,66 @@ def _sum_over_groups(dX, H_kv):
     return dX.unflatten(-3, (H_kv, dX.shape[-3] // H_kv)).sum(-3)
 
 
-def _causal_mask(r0, r1, c0, c1, device, shift=0):
-    """True where key c may not be seen by query r, for rows r0:r1 and columns c0:c1. shift = N_k - N_q
-    aligns the diagonal to the bottom right: query r sees keys c <= r + shift."""
+def _window(causal, window):
+    """(left, right) with causal as right = 0, FlashAttention's rule; -1 is no bound."""
+    return (window[0], 0 if causal else window[1])
+
+
+def _hidden(r0, r1, c0, c1, device, shift=0, window=(-1, -1)):
+    """True where key c may not be seen by query r, for rows r0:r1 and columns c0:c1: outside the window
+    r + shift - left <= c <= r + shift + right (a side of -1 has no bound). shift = N_k - N_q aligns the
+    diagonal to the bottom right: with window (-1, 0) (causal), query r sees keys c <= r + shift."""
     r = torch.arange(r0, r1, device=device)[:, None]
     c = torch.arange(c0, c1, device=device)[None, :]
-    return c > r + shift                                                  # (B_r, B_c)
+    left, right = window
+    hidden = torch.zeros(r1 - r0, c1 - c0, dtype=torch.bool, device=device)  # (B_r, B_c)
+    if right >= 0:
+        hidden |= c > r + shift + right
+    if left >= 0:
+        hidden |= c < r + shift - left
+    return hidden
 
 
-def attention(Q, K, V, causal=False, softmax_scale=None):
+def _modified(S, r0, c0, shift=0, softcap=0.0, alibi_slopes=None):
+    """The score modifications on scaled scores S (..., H_q, rows, cols) of queries r0.. and keys c0..: a softcap
+    c > 0 (S = c tanh(S / c)), then ALiBi (S -= slope_h |r + shift - c|, slopes (H_q,) or (B, H_q))."""
+    if softcap > 0:
+        S = softcap * torch.tanh(S / softcap)
+    if alibi_slopes is not None:
+        r = torch.arange(r0, r0 + S.shape[-2], device=S.device)[:, None]
+        c = torch.arange(c0, c0 + S.shape[-1], device=S.device)[None, :]
+        S = S - alibi_slopes.to(S.dtype)[..., None, None] * (r + shift - c).abs()
+    return S
+
+
+def _blocks(first, last, size, count):
+    """The blocks of `size` that hold anything of first..last (clipped to 0..count-1 blocks)."""
+    return range(max(0, first) // size, min(count - 1, last // size) + 1) if last >= 0 else range(0)
+
+
+def attention(Q, K, V, causal=False, softmax_scale=None, window=(-1, -1), alibi_slopes=None, softcap=0.0):
     """Standard attention softmax(Q K^T * scale) V; builds the whole N_q x N_k matrix (the thing to avoid).
     A row whose keys are all masked gets 0 (FlashAttention's convention; softmax alone would give NaN)."""
     K, V = _query_heads(K, Q), _query_heads(V, Q)
-    S = Q @ K.transpose(-1, -2) * _scale(Q, softmax_scale)                # (..., N_q, N_k)
-    if not causal:
-        return torch.softmax(S, dim=-1) @ V                               # (..., N_q, d)
     N_q, N_k = Q.shape[-2], K.shape[-2]
-    hidden = _causal_mask(0, N_q, 0, N_k, Q.device, shift=N_k - N_q)
+    S = Q @ K.transpose(-1, -2) * _scale(Q, softmax_scale)                # (..., N_q, N_k)
+    S = _modified(S, 0, 0, N_k - N_q, softcap, alibi_slopes)
+    hidden = _hidden(0, N_q, 0, N_k, Q.device, N_k - N_q, _window(causal, window))
     P = torch.softmax(S.masked_fill(hidden, float("-inf")), dim=-1)
-    return P.masked_fill(hidden.all(dim=-1, keepdim=True), 0.0) @ V
+    return P.masked_fill(hidden.all(dim=-1, keepdim=True), 0.0) @ V       # (..., N_q, d)
 
 
-def flash_forward(Q, K, V, causal=False, softmax_scale=None, B_r=64, B_c=64, key_blocks=None):
+def flash_forward(Q, K, V, causal=False, softmax_scale=None, B_r=64, B_c=64, key_blocks=None, window=(-1, -1),
+                  alibi_slopes=None, softcap=0.0):
     """Algorithm 1 (forward). Returns O (..., N_q, d) and L (..., N_q), the row log-sum-exp.
-    key_blocks: the key blocks j to visit (default: all T_c); split-KV (flash_decode) visits one range of them
-    per part and merges the parts."""
+    key_blocks: the key blocks j to visit (default: all T_c that the window reaches); split-KV (flash_decode)
+    visits one range of them per part and merges the parts."""
     N_q, N_k = Q.shape[-2], K.shape[-2]
     scale = _scale(Q, softmax_scale)
     K, V = _query_heads(K, Q), _query_heads(V, Q)
     T_r, T_c = math.ceil(N_q / B_r), math.ceil(N_k / B_c)
-    shift = N_k - N_q                                                     # causal: query r sees keys c <= r + shift
+    shift = N_k - N_q                                                     # query r's diagonal key: r + shift
+    left, right = window = _window(causal, window)
     O = torch.empty_like(Q)
     L = torch.empty(Q.shape[:-1], dtype=Q.dtype, device=Q.device)
     for i in range(T_r):                                                  # l.3: for 1 <= i <= T_r
@@ -89,13 +122,15 @@ def flash_forward(Q, K, V, causal=False, softmax_scale=None, B_r=64, B_c=64, key
         # m_i = -inf in the paper; the lowest finite value instead, so that a row that sees no key of a block
         # gets P_ij = exp(-inf - m_i) = 0 where -inf - (-inf) would give NaN
         m_i = torch.full_like(l_i, torch.finfo(Q.dtype).min)              #      m_i = -inf  (..., B_r)
-        last_j = min(T_c - 1, (r1 - 1 + shift) // B_c) if causal else T_c - 1  # causal: later blocks all masked
-        for j in (range(last_j + 1) if key_blocks is None else key_blocks):  # l.6: for 1 <= j <= T_c
+        # the key blocks some row of the block sees: the window's reach (blocks outside it are all masked)
+        reach = _blocks(r0 + shift - left if left >= 0 else 0, r1 - 1 + shift + right if right >= 0 else N_k,
+                        B_c, T_c)
+        for j in (reach if key_blocks is None else key_blocks):           # l.6: for 1 <= j <= T_c
             c0, c1 = j * B_c, min((j + 1) * B_c, N_k)
             K_j, V_j = K[..., c0:c1, :], V[..., c0:c1, :]                 # l.7: load K_j, V_j (..., B_c, d)
             S_ij = Q_i @ K_j.transpose(-1, -2) * scale                    # l.8: S_ij = Q_i K_j^T (..., B_r, B_c)
-            if causal:
-                S_ij = S_ij.masked_fill(_causal_mask(r0, r1, c0, c1, Q.device, shift), float("-inf"))
+            S_ij = _modified(S_ij, r0, c0, shift, softcap, alibi_slopes)  #      softcap, ALiBi, the mask
+            S_ij = S_ij.masked_fill(_hidden(r0, r1, c0, c1, Q.device, shift, window), float("-inf"))
             m_new = torch.maximum(m_i, S_ij.amax(dim=-1))                 # l.9: m_i^(j) = max(m_i^(j-1), rowmax(S_ij))
             P_ij = torch.exp(S_ij - m_new[..., None])                     #      P_ij = exp(S_ij - m_i^(j))
             alpha = torch.exp(m_i - m_new)                                #      rescales what was summed so far
@@ -108,7 +143,8 @@ def flash_forward(Q, K, V, causal=False, softmax_scale=None, B_r=64, B_c=64, key
     return O, L
 
 
-def flash_backward(Q, K, V, O, L, dO, causal=False, softmax_scale=None, B_r=64, B_c=64):
+def flash_backward(Q, K, V, O, L, dO, causal=False, softmax_scale=None, B_r=64, B_c=64, window=(-1, -1),
+                   alibi_slopes=None, softcap=0.0):
     """Algorithm 2 (backward). Recomputes P_ij from Q_i, K_j and L_i; returns dQ, dK, dV."""
     N_q, N_k = Q.shape[-2], K.shape[-2]
     scale = _scale(Q, softmax_scale)
@@ -116,24 +152,28 @@ def flash_backward(Q, K, V, O, L, dO, causal=False, softmax_scale=None, B_r=64, 
     K, V = _query_heads(K, Q), _query_heads(V, Q)
     T_r, T_c = math.ceil(N_q / B_r), math.ceil(N_k / B_c)
     shift = N_k - N_q
+    left, right = window = _window(causal, window)
     D = (dO * O).sum(dim=-1)                                              # l.4: D = rowsum(dO o O)  (..., N_q)
     dQ, dK, dV = torch.zeros_like(Q), torch.zeros_like(K), torch.zeros_like(V)
     for j in range(T_c):                                                  # l.5: for 1 <= j <= T_c
         c0, c1 = j * B_c, min((j + 1) * B_c, N_k)
         K_j, V_j = K[..., c0:c1, :], V[..., c0:c1, :]                     # l.6: load K_j, V_j
         dK_j, dV_j = torch.zeros_like(K_j), torch.zeros_like(V_j)         # l.7: dK_j = dV_j = 0 (on chip)
-        first_i = max(0, c0 - shift) // B_r if causal else 0              # causal: earlier blocks are all masked
-        for i in range(first_i, T_r):                                     # l.8: for 1 <= i <= T_r
+        # the query blocks that see some key of the block: those whose window reaches it
+        reach = _blocks(c0 - shift - right if right >= 0 else 0, c1 - 1 - shift + left if left >= 0 else N_q,
+                        B_r, T_r)
+        for i in reach:                                                   # l.8: for 1 <= i <= T_r
             r0, r1 = i * B_r, min((i + 1) * B_r, N_q)
             Q_i, dO_i = Q[..., r0:r1, :], dO[..., r0:r1, :]               # l.9: load Q_i, O_i, dO_i, dQ_i, L_i, D_i
             L_i, D_i = L[..., r0:r1], D[..., r0:r1]
             S_ij = Q_i @ K_j.transpose(-1, -2) * scale                    # l.10: S_ij = Q_i K_j^T
-            P_ij = torch.exp(S_ij - L_i[..., None])                       # l.11: P_ij = exp(S_ij - L_i)
-            if causal:
-                P_ij = P_ij.masked_fill(_causal_mask(r0, r1, c0, c1, Q.device, shift), 0.0)
+            P_ij = torch.exp(_modified(S_ij, r0, c0, shift, softcap, alibi_slopes) - L_i[..., None])  # l.11
+            P_ij = P_ij.masked_fill(_hidden(r0, r1, c0, c1, Q.device, shift, window), 0.0)  # P_ij = exp(S_ij - L_i)
             dV_j = dV_j + P_ij.transpose(-1, -2) @ dO_i                   # l.12: dV_j += P_ij^T dO_i
             dP_ij = dO_i @ V_j.transpose(-1, -2)                          # l.13: dP_ij = dO_i V_j^T
             dS_ij = P_ij * (dP_ij - D_i[..., None])                       # l.14: dS_ij = P_ij o (dP_ij - D_i)
+            if softcap > 0:  # through the softcap: d(c tanh(S / c))/dS = 1 - tanh^2 (ALiBi adds a constant)
+                dS_ij = dS_ij * (1 - torch.tanh(S_ij / softcap) ** 2)
             dQ[..., r0:r1, :] += scale * dS_ij @ K_j                      # l.15: dQ_i += dS_ij K_j
             dK_j = dK_j + scale * dS_ij.transpose(-1, -2) @ Q_i           # l.16: dK_j += dS_ij^T Q_i
         dK[..., c0:c1, :], dV[..., c0:c1, :] = dK_j, dV_j                 # l.18: write dK_j, dV_j
@@ -151,15 +191,16 @@ def merge(O_a, L_a, O_b, L_b):
     return torch.exp(L_a - L_safe)[..., None] * O_a + torch.exp(L_b - L_safe)[..., None] * O_b, L
 
 
-def flash_decode(Q, K, V, causal=False, softmax_scale=None, splits=4, B_r=64, B_c=64):
+def flash_decode(Q, K, V, causal=False, softmax_scale=None, splits=4, B_r=64, B_c=64, **scores):
     """Split-KV ("flash-decoding"): Algorithm 1 with the key blocks divided into
     `splits` contiguous ranges. Each range gives a partial O and L over its keys (on a GPU, each range is its
     own thread block, so a few queries still occupy many SMs); merging the parts by L gives attention over
     all keys. (The paper's section 3.2 fills a GPU by running query blocks in parallel; with a single query
-    block, as in decoding, only the keys are left to divide.) Returns O and L, as flash_forward."""
+    block, as in decoding, only the keys are left to divide.) Returns O and L, as flash_forward; scores:
+    window, alibi_slopes, softcap, as there."""
     T_c = math.ceil(K.shape[-2] / B_c)
     bounds = [T_c * s // splits for s in range(splits + 1)]               # split s: key blocks bounds[s] .. bounds[s+1]-1
-    parts = [flash_forward(Q, K, V, causal, softmax_scale, B_r, B_c, key_blocks=range(bounds[s], bounds[s + 1]))
+    parts = [flash_forward(Q, K, V, causal, softmax_scale, B_r, B_c, range(bounds[s], bounds[s + 1]), **scores)
              for s in range(splits)]
     O, L = parts[0]
     for O_s, L_s in parts[1:]:

@@ -20,7 +20,9 @@ def test_opcheck(kernel, dtype):
     # schema, fake implementation, autograd registration and torch.compile tracing, as PyTorch checks them
     q, k, v = (torch.randn(2, 3, 77, 64, device="cuda", dtype=getattr(torch, dtype), requires_grad=True)
                for _ in range(3))
-    torch.library.opcheck(torch.ops.flash.forward.default, (q, k, v, True, 0.125, kernel))
+    torch.library.opcheck(torch.ops.flash.forward.default, (q, k, v, -1, 0, 0.125, 0.0, None, kernel))
+    slopes = torch.rand(3, device="cuda")  # and with a window, a softcap and ALiBi
+    torch.library.opcheck(torch.ops.flash.forward.default, (q, k, v, 20, 3, 0.125, 5.0, slopes, kernel))
 
 
 @pytest.mark.parametrize("kernel, dtype", CASES)

@@ -41,6 +41,17 @@ def test_bad_inputs(make, error, words):
     (dict(kernel="nope"), ValueError, "unknown kernel 'nope'; valid: 'auto', 'fp32'"),
     (dict(kernel=3), TypeError, "kernel must be a string"),
     (dict(return_lse=1), TypeError, "return_lse must be True or False"),
+    (dict(window=5), ValueError, "window must be a pair of integers (left, right), each >= -1"),
+    (dict(window=(-2, 0)), ValueError, "each >= -1 (-1: no bound), got (-2, 0)"),
+    (dict(window=(1.5, 0)), ValueError, "window must be a pair of integers"),
+    (dict(window=(True, 0)), ValueError, "window must be a pair of integers"),
+    (dict(softcap=-1.0), ValueError, "softcap must be a finite number >= 0 (0: off), got -1.0"),
+    (dict(softcap=float("inf")), ValueError, "softcap must be a finite number"),
+    (dict(alibi_slopes=[0.5, 0.25]), TypeError, "alibi_slopes must be None or a torch.Tensor, got list"),
+    (dict(alibi_slopes=torch.ones(3)), ValueError, "alibi_slopes must be a float32 tensor of shape (H_q,) = (2,) "
+                                                   "or (B, H_q) = (1, 2) on cpu, got torch.float32 (3,)"),
+    (dict(alibi_slopes=torch.ones(2, dtype=torch.float64)), ValueError, "got torch.float64 (2,)"),
+    (dict(alibi_slopes=torch.ones(2, 2)), ValueError, "got torch.float32 (2, 2)"),
 ])
 def test_bad_arguments(kwargs, error, words):
     with pytest.raises(error) as info:
@@ -128,10 +139,10 @@ def test_fake_implementations(dtype, layout):
         q, k, v = (torch.empty(B, N, H, d, dtype=dtype, device="meta").transpose(1, 2) for _ in range(3))
     else:
         q, k, v = (torch.empty(B, H, N, d, dtype=dtype, device="meta") for _ in range(3))
-    o, L = torch.ops.flash.forward(q, k, v, True, 0.125, "auto")
+    o, L = torch.ops.flash.forward(q, k, v, -1, 0, 0.125, 0.0, None, "auto")
     assert o.shape == q.shape and o.dtype == dtype and o.stride() == q.stride()
     assert L.shape == (B, H, N) and L.dtype == torch.float32
-    dq, dk, dv = torch.ops.flash.backward(torch.empty_like(o), None, q, k, v, o, L, True, 0.125, "auto")
+    dq, dk, dv = torch.ops.flash.backward(torch.empty_like(o), None, q, k, v, o, L, -1, 0, 0.125, 0.0, None, "auto")
     assert dq.shape == dk.shape == dv.shape == q.shape and dq.dtype == dk.dtype == dv.dtype == dtype
     assert dk.stride() == k.stride() and dv.stride() == v.stride() and dq.is_contiguous()
 
@@ -139,9 +150,9 @@ def test_fake_implementations(dtype, layout):
 def test_fake_implementations_with_unequal_lengths_and_groups():
     q = torch.empty(2, 8, 5, 64, dtype=torch.float16, device="meta")
     k, v = (torch.empty(2, 2, 300, 64, dtype=torch.float16, device="meta") for _ in range(2))
-    o, L = torch.ops.flash.forward(q, k, v, True, 0.125, "auto")
+    o, L = torch.ops.flash.forward(q, k, v, -1, 0, 0.125, 0.0, None, "auto")
     assert o.shape == q.shape and L.shape == (2, 8, 5)
-    dq, dk, dv = torch.ops.flash.backward(torch.empty_like(o), None, q, k, v, o, L, True, 0.125, "auto")
+    dq, dk, dv = torch.ops.flash.backward(torch.empty_like(o), None, q, k, v, o, L, -1, 0, 0.125, 0.0, None, "auto")
     assert dq.shape == q.shape and dk.shape == dv.shape == k.shape
 
 
