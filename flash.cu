@@ -145,8 +145,8 @@ __device__ void load_tile(T* dst, int ld, Rows<const T> X, int row0, int N) {
 // window_size = (left, right)) lets query r see keys from `left` before its position to `right` after it;
 // causal is right = 0, and a side without a bound is stored as UNBOUNDED. A query whose window holds no key
 // (causal with N_q > N_k: the first N_q - N_k queries) gets O = 0 and L = -inf.
-constexpr int UNBOUNDED = 1 << 30;  // a window side with no bound: (r + N_k - N_q) +- it never binds
 struct Mask {
+  static constexpr int UNBOUNDED = 1 << 30;  // a window side with no bound: (r + N_k - N_q) +- it never binds
   int N_q, N_k;
   int left, right;
   __device__ int position(int r) const { return r + N_k - N_q; }             // query r's diagonal key
@@ -2108,7 +2108,7 @@ dim3 grid(int blocks, const at::Tensor& Q) { return dim3(blocks, Q.size(1), Q.si
 // or (B, H_q), contiguous (main.py checks).
 Scores scores(const at::Tensor& Q, const at::Tensor& K, int64_t window_left, int64_t window_right, double scale,
               double softcap, const std::optional<at::Tensor>& alibi_slopes) {
-  const auto side = [](int64_t w) { return w < 0 ? UNBOUNDED : int(std::min<int64_t>(w, UNBOUNDED)); };
+  const auto side = [](int64_t w) { return w < 0 ? Mask::UNBOUNDED : int(std::min<int64_t>(w, Mask::UNBOUNDED)); };
   const bool alibi = alibi_slopes.has_value();
   return {{int(Q.size(2)), int(K.size(2)), side(window_left), side(window_right)}, float(scale * LOG2E),
           softcap > 0 ? float(scale / softcap) : 0.f, float(softcap * LOG2E),
