@@ -169,11 +169,11 @@ struct Mask {
   // with dK_j = dV_j = 0). With a window of w keys the blocks are about N w / (B_r B_c), not N^2 / (B_r B_c).
   __device__ int2 key_blocks(int row0, int rows, int B_c) const {
     const int T_c = (N_k + B_c - 1) / B_c, x = min(max(first_key(row0), 0) / B_c, T_c - 1);
-    return {x, max(x + 1, min(T_c, max(last_key(row0 + rows - 1), -1) / B_c + 1))};
+    return {x, max(x + 1, min(T_c, last_key(row0 + rows - 1) / B_c + 1))};
   }
   __device__ int2 query_blocks(int col0, int cols, int B_r) const {
     const int T_r = (N_q + B_r - 1) / B_r, x = min(first_query(col0) / B_r, T_r - 1);
-    return {x, max(x + 1, min(T_r, max(last_query(min(col0 + cols, N_k) - 1), -1) / B_r + 1))};
+    return {x, max(x + 1, min(T_r, last_query(min(col0 + cols, N_k) - 1) / B_r + 1))};
   }
 };
 
@@ -183,14 +183,14 @@ struct Mask {
 //   2. ALiBi       s -= slope_h |position(r) - c|  (BLOOM; slope_h per head, aligned as the mask's diagonal)
 //   3. the mask    s = -inf where query r does not see key c
 // The backward multiplies dS_ij by the softcap's derivative ds/d(scale S_ij) = 1 - tanh^2 (ALiBi adds a
-// constant, the mask a zero). plain: neither softcap nor ALiBi, the kernels' fast path.
+// constant, the mask a zero).
 struct Scores {
   Mask mask;
   float scale_log2;                   // scale log2(e)
   float cap_in, cap_out;              // softcap: scale / c and c log2(e); cap_in = 0 without one
   const float* slopes;                // ALiBi: slope of (batch b, head h) at slopes[b * slopes_b + h], or nullptr
   int slopes_b;
-  bool plain;
+  __device__ bool plain() const { return cap_in == 0.f && !slopes; }  // neither: the kernels' fast path
   // this query head's ALiBi slope in base-2 units; 0 without ALiBi
   __device__ float slope(int b, int h) const { return slopes ? slopes[b * slopes_b + h] * LOG2E : 0.f; }
   // steps 1 and 2 for an entry that the mask does not hide; tanh: where the backward keeps tanh(scale S_ij / c).
@@ -742,7 +742,7 @@ flash_fwd_volta(Rows<const __half> Q, Rows<const __half> K, Rows<const __half> V
         mma_m8n8k4_row_col(S[c], Q_frag[kk], b);
       }
 
-    const bool masked = !sc.plain | mask.any(i * B_r, B_r, j * B_c, B_c);  // more than scaling to do?
+    const bool masked = !sc.plain() | mask.any(i * B_r, B_r, j * B_c, B_c);  // more than scaling to do?
     float rowmax[2] = {m_i[0], m_i[1]};                                     // l.9: online softmax
     for (int c = 0; c < B_c / 16; c++)
       for (int e = 0; e < 8; e++) {
@@ -1164,7 +1164,7 @@ flash_bwd_ampere(Rows<const T> Q, Rows<const T> K, Rows<const T> V, Rows<const T
       for (int e = 0; e < 4; e++) {  // entry (key c, query r) of P^T and dS^T
         const int c = col0 + 16 * warp + g + 8 * (e / 2), r = row0 + 8 * nt + 2 * t + e % 2;
         const float L_r_e = e % 2 ? L_r.y : L_r.x, D_r_e = e % 2 ? D_r.y : D_r.x;
-        if (sc.plain) {
+        if (sc.plain()) {
           const bool seen = !edge || ((r < N_q) & !mask.hides(r, c));
           S[nt][e] = seen ? exp2_ftz(S[nt][e] * scale_log2 - L_r_e * LOG2E) : 0.f;  // l.11: P_ij = exp(S_ij - L_i)
           dP[nt][e] = S[nt][e] * (dP[nt][e] - D_r_e);                             // l.14: dS_ij = P o (dP - D_i)
@@ -1252,6 +1252,7 @@ struct DecodeBlock {
   int G, N_q, rows, tiles, H_q, h_kv, row0;   // this block's rows: row0 .. row0 + 15 of the G * N_q
   Scores sc;                                  // its mask with this sequence's N_k
   int j_begin, j_end;                         // this split's key blocks
+  float slope[2];                             // ALiBi slopes of this lane's rows g and g + 8 (their heads')
   __device__ DecodeBlock(int G, Scores scores, const int* seqlens_k)
       : G(G), N_q(scores.mask.N_q), rows(G * N_q), tiles((rows + 15) / 16), H_q(G * (gridDim.y / tiles)),
         h_kv(blockIdx.y / tiles), row0(16 * (blockIdx.y % tiles)), sc(scores) {
@@ -1260,6 +1261,8 @@ struct DecodeBlock {
     const int2 blocks = sc.mask.N_k > 0 ? sc.mask.key_blocks(0, N_q, B_c) : int2{0, 0};
     const int n = blocks.y - blocks.x;
     j_begin = blocks.x + n * blockIdx.x / gridDim.x, j_end = blocks.x + n * (blockIdx.x + 1) / gridDim.x;
+    for (int h = 0; h < 2; h++)  // (padding rows past the last take its head)
+      slope[h] = sc.slope(blockIdx.z, head(min(row0 + threadIdx.x % 32 / 4 + 8 * h, rows - 1)));
   }
   __device__ int head(int x) const { return h_kv * G + x / N_q; }  // row x's query head and query
   __device__ int query(int x) const { return x % N_q; }
@@ -1295,8 +1298,6 @@ struct DecodeBlock {
     }
     float alpha[2];  // Alg.1 l.9, and the rescaling of O_i in l.10
     const int r[2] = {query(row0 + g), query(row0 + g + 8)};  // this lane's rows as queries, for the mask
-    const int x[2] = {min(row0 + g, rows - 1), min(row0 + g + 8, rows - 1)};  // (padding rows: any head)
-    const float slope[2] = {sc.slope(blockIdx.z, head(x[0])), sc.slope(blockIdx.z, head(x[1]))};
     apply_scores<16>(S, r, c0 + 2 * t, sc, sc.mask.any(0, N_q, c0, 16), slope);
     update_row_max<16>(S, m_i, l_i, alpha);
     rescale_O<d>(O_i, alpha);
@@ -1942,7 +1943,7 @@ flash_bwd_hopper(const __grid_constant__ CUtensorMap Q_map, const __grid_constan
       const float* D_i = L_i + B_r;
       auto q = [&](int nt, int e) { return 8 * nt + 2 * t + e % 2; };  // the query, from row0
       wgmma_wait<2>(S);
-      if (sc.plain) {
+      if (sc.plain()) {
         for (int nt = 0; nt < NQ / 8; nt++)
           for (int e = 0; e < 4; e++) S[nt][e] = exp2_ftz(S[nt][e] * scale_log2 - L_i[q(nt, e)]);
         if (mask.any(row0, NQ, col0 + key0, 64) | (row0 + NQ > N_q)) {  // zero what the mask hides: keys c and
@@ -1956,7 +1957,7 @@ flash_bwd_hopper(const __grid_constant__ CUtensorMap Q_map, const __grid_constan
       wgmma_wait<1>(dP);
       for (int nt = 0; nt < NQ / 8; nt++)
         for (int e = 0; e < 4; e++)
-          if (sc.plain) {
+          if (sc.plain()) {
             dP[nt][e] = S[nt][e] * (dP[nt][e] - D_i[q(nt, e)]);
           } else {
             const int r = row0 + q(nt, e);
@@ -2112,8 +2113,7 @@ Scores scores(const at::Tensor& Q, const at::Tensor& K, int64_t window_left, int
   const bool alibi = alibi_slopes.has_value();
   return {{int(Q.size(2)), int(K.size(2)), side(window_left), side(window_right)}, float(scale * LOG2E),
           softcap > 0 ? float(scale / softcap) : 0.f, float(softcap * LOG2E),
-          alibi ? alibi_slopes->data_ptr<float>() : nullptr, alibi && alibi_slopes->dim() == 2 ? int(Q.size(1)) : 0,
-          softcap <= 0 && !alibi};
+          alibi ? alibi_slopes->data_ptr<float>() : nullptr, alibi && alibi_slopes->dim() == 2 ? int(Q.size(1)) : 0};
 }
 int group(const at::Tensor& Q, const at::Tensor& K) { return Q.size(1) / K.size(1); }
 

@@ -16,6 +16,7 @@ import torch.nn.functional as F
 import reference
 from main import flash_attention, flash_attention_with_kvcache, list_kernels, outputs, rel_err
 from test_kernels import DTYPES, FLOOR
+from test_shapes import check_L
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 CASES = [(k["name"], dtype) for k in list_kernels() if k["available"] for dtype in k["dtypes"]]
@@ -40,8 +41,7 @@ def sdpa(causal, scale, scores):
 
 
 def check(kernel, q, k, v, do, causal, scale=None, **scores):
-    """O, dQ, dK, dV against float64, SDPA's error the yardstick; then L against the float64 log-sum-exp of
-    the modified scores, -inf exactly where a query sees no key."""
+    """O, dQ, dK, dV against float64, SDPA's error the yardstick; then L (test_shapes.check_L)."""
     exact = lambda q, k, v: reference.attention(q, k, v, causal, scale, **scores)  # noqa: E731
     ref = outputs(exact, q.double(), k.double(), v.double(), do.double())
     ours = outputs(lambda q, k, v: flash_attention(q, k, v, causal, scale, kernel=kernel, **scores), q, k, v, do)
@@ -58,17 +58,7 @@ def check(kernel, q, k, v, do, causal, scale=None, **scores):
             continue
         err, err_sdpa = rel_err(x, r), rel_err(s, rs)
         assert err <= 3 * err_sdpa + FLOOR[q.dtype], f"{name}: relative error {err:.2e} vs SDPA's {err_sdpa:.2e} ({where})"
-    _, L = flash_attention(q, k, v, causal, scale, kernel=kernel, return_lse=True, **scores)
-    N_q, N_k = q.shape[2], k.shape[2]
-    S = q.double() @ k.double().repeat_interleave(q.shape[1] // k.shape[1], dim=1).transpose(-1, -2) \
-        * (scale or 1 / math.sqrt(q.shape[-1]))
-    S = reference._modified(S, 0, 0, N_k - N_q, scores.get("softcap", 0.0), scores.get("alibi_slopes"))
-    hidden = reference._hidden(0, N_q, 0, N_k, q.device, N_k - N_q, reference._window(causal, scores.get("window", (-1, -1))))
-    L_exact = torch.logsumexp(S.masked_fill(hidden, -math.inf), dim=-1)
-    assert torch.equal(L.isinf(), L_exact.isinf()), f"L is -inf in the wrong rows ({where})"
-    seen = L_exact.isfinite()
-    assert (L[seen] - L_exact[seen]).abs().max() < 2e-2, f"L: error {(L[seen] - L_exact[seen]).abs().max():.1e} ({where})"
-    assert (ours[0][~seen] == 0).all(), f"O is not 0 where a query sees no key ({where})"
+    check_L(kernel, q, k, v, ours[0], causal, scale, **scores)
 
 
 def slopes(*shape):
