@@ -135,12 +135,12 @@ def _builds_sm90a():
     return "9.0a" in _arch_list()
 
 
-def load(kernel, d=64):
+def load(kernel, d=64, packed=False):
     """The extension of one kernel of flash.cu at tile width d (its forward and, if it has one, backward),
     compiled for the GPU present (or TORCH_CUDA_ARCH_LIST) on first use; later calls, and later processes,
-    reuse the build."""
-    if (kernel, d) in _extensions:
-        return _extensions[kernel, d]
+    reuse the build. packed: the build for packed batches (flash_attention_varlen; -DPACKED=1)."""
+    if (kernel, d, packed) in _extensions:
+        return _extensions[kernel, d, packed]
     gencode, tags = [], []
     for arch in _arch_list():  # "8.6", "9.0a", "8.0+PTX"
         number = arch.replace("+PTX", "").replace(".", "")
@@ -148,7 +148,7 @@ def load(kernel, d=64):
         if arch.endswith("+PTX"):
             gencode.append(f"-gencode=arch=compute_{number},code=compute_{number}")
         tags.append(number + ("ptx" if arch.endswith("+PTX") else ""))
-    name = f"flash_{kernel}_d{d}_sm{'_'.join(tags)}"
+    name = f"flash_{kernel}{'_packed' if packed else ''}_d{d}_sm{'_'.join(tags)}"
     build_dir = os.path.join(ROOT, "build", name)
     library = os.path.join(build_dir, name + ".so")
     if os.path.exists(library) and os.path.getmtime(library) > max(os.path.getmtime(os.path.join(ROOT, f))
@@ -156,25 +156,26 @@ def load(kernel, d=64):
         # built after the last edit of its sources: import it as it is (torch's loader would first start
         # ninja to check that, which costs seconds)
         spec = importlib.util.spec_from_file_location(name, library)
-        _extensions[kernel, d] = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(_extensions[kernel, d])
-        return _extensions[kernel, d]
+        _extensions[kernel, d, packed] = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(_extensions[kernel, d, packed])
+        return _extensions[kernel, d, packed]
     from torch.utils.cpp_extension import load as load_extension
     os.makedirs(build_dir, exist_ok=True)
-    print(f"Building the {kernel} kernel, d = {d}, for sm_{', sm_'.join(tags)} (first use only)...", file=sys.stderr,
-          flush=True)
-    _extensions[kernel, d] = load_extension(
+    print(f"Building the {kernel} kernel, d = {d}{', packed batches' if packed else ''}, for sm_{', sm_'.join(tags)} "
+          "(first use only)...", file=sys.stderr, flush=True)
+    _extensions[kernel, d, packed] = load_extension(
         name=name, sources=[os.path.join(ROOT, "flash.cu")], build_directory=build_dir,
         extra_cuda_cflags=["-O3", "-std=c++20", "-lineinfo", "-diag-suppress=3189,20013,20015",
                            "--split-compile=0",  # optimise the kernels of one file on all cores
-                           f"-DBUILD_{kernel}", f"-DHEAD_DIM={d}", *gencode])
-    return _extensions[kernel, d]
+                           f"-DBUILD_{kernel}", f"-DHEAD_DIM={d}", f"-DPACKED={int(packed)}", *gencode])
+    return _extensions[kernel, d, packed]
 
 
-def build(kernels, head_dims=(64,)):
+def build(kernels, head_dims=(64,), packed_head_dims=()):
     """Builds several kernels at once, at each tile width in head_dims that they have (one nvcc process each, as
     many at once as there are cores)."""
-    jobs = [(k, d) for k in kernels for d in head_dims if d in KERNELS[k]["head_dims"]]
+    jobs = [(k, d, packed) for packed, dims in ((False, head_dims), (True, packed_head_dims))
+            for k in kernels for d in dims if d in KERNELS[k]["head_dims"]]
     with ThreadPoolExecutor(max(1, min(len(jobs), os.cpu_count() or 1))) as pool:
         list(pool.map(lambda job: load(*job), jobs))
 
@@ -202,17 +203,19 @@ def _padded(t, D):
     return t if t.shape[-1] == D else torch.nn.functional.pad(t, (0, D - t.shape[-1]))
 
 
-def _run_forward(q, k, v, window, scale, softcap, alibi_slopes, kernel, seqlens_k=None):
+def _run_forward(q, k, v, window, scale, softcap, alibi_slopes, kernel, seqlens_k=None, packed=None):
     """O (B, H_q, N_q, d) and L (B, H_q, N_q), the row log-sum-exp in natural log, float32. window: (left, right),
     -1 for no bound (causal: right = 0). seqlens_k (int32, (B,)): each sequence's number of keys, for the
-    split-KV kernels only (flash_attention_with_kvcache)."""
+    split-KV kernels only (flash_attention_with_kvcache). packed: (cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+    max_seqlen_k) of a packed batch, whose q, k, v are (1, H, total, d) views (flash_attention_varlen)."""
     kernel = pick_kernel(DTYPES[q.dtype], q.shape[-1], _arch(q.device), kernel, _builds_sm90a())
     if q.numel() == 0 or k.shape[2] == 0:  # (no keys: every row sees none, so O = 0 and L = -inf)
         return torch.zeros_like(q), q.new_full(q.shape[:-1], -math.inf, dtype=torch.float32)
     d, D = q.shape[-1], tile_dim(kernel, q.shape[-1])
     q_, k_, v_ = (_readable(_padded(t, D)) for t in (q, k, v))
     with torch.cuda.device(q.device):
-        o, L = load(kernel, D).forward(q_, k_, v_, *window, scale, softcap, alibi_slopes, seqlens_k, _stream(q))
+        o, L = load(kernel, D, packed is not None).forward(q_, k_, v_, *window, scale, softcap, alibi_slopes,
+                                                           seqlens_k, *(packed or (None, None, 0, 0)), _stream(q))
     if D != d:  # the first d columns, in q's layout as the op's fake implementation says
         o = torch.empty_like(q).copy_(o[..., :d])
     return o, L
@@ -236,6 +239,16 @@ def _backward(do: torch.Tensor, dL: Optional[torch.Tensor], q: torch.Tensor, k: 
               alibi_slopes: Optional[torch.Tensor], kernel: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """dQ, dK, dV for the loss sum(O * dO) + sum(L * dL) (dL may be None). A gradient through L changes only
     D_i: dL_i/dS_ij = P_ij, so dS_ij = P_ij o (dP_ij - D_i + dL_i), the kernels' own step with D_i - dL_i."""
+    return _run_backward(do, dL, q, k, v, o, L, window_left, window_right, scale, softcap, alibi_slopes, kernel)
+
+
+@_backward.register_fake
+def _(do, dL, q, k, v, o, L, window_left, window_right, scale, softcap, alibi_slopes, kernel):
+    return q.new_empty(q.shape), torch.empty_like(k), torch.empty_like(v)
+
+
+def _run_backward(do, dL, q, k, v, o, L, window_left, window_right, scale, softcap, alibi_slopes, kernel, packed=None):
+    """_backward's work; packed: as in _run_forward."""
     kernel = pick_kernel(DTYPES[q.dtype], q.shape[-1], _arch(q.device), kernel, _builds_sm90a())
     if q.numel() == 0 or k.numel() == 0:
         return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
@@ -246,18 +259,14 @@ def _backward(do: torch.Tensor, dL: Optional[torch.Tensor], q: torch.Tensor, k: 
         tensors = [t.float() for t in tensors]  # the fallback: the fp32 backward on upcast inputs
     q_, k_, v_, o_, do_ = tensors
     with torch.cuda.device(q.device):
-        dq, dk, dv = load(name, D).backward(q_, k_, v_, o_, L, do_, dL, window_left, window_right, scale, softcap,
-                                            alibi_slopes, _stream(q))
+        dq, dk, dv = load(name, D, packed is not None).backward(q_, k_, v_, o_, L, do_, dL, window_left, window_right,
+                                                                scale, softcap, alibi_slopes,
+                                                                *(packed or (None, None, 0, 0)), _stream(q))
     if D != d:
         dq, dk, dv = (x[..., :d].contiguous() for x in (dq, dk, dv))
     if dk.shape[1] != k.shape[1]:  # grouped-query attention: one dK, dV per query head, summed over each group
         dk, dv = (x.unflatten(1, (k.shape[1], -1)).sum(2) for x in (dk, dv))
     return dq.to(dtype), dk.to(dtype), dv.to(dtype)
-
-
-@_backward.register_fake
-def _(do, dL, q, k, v, o, L, window_left, window_right, scale, softcap, alibi_slopes, kernel):
-    return q.new_empty(q.shape), torch.empty_like(k), torch.empty_like(v)
 
 
 def _setup_context(ctx, inputs, output):
@@ -278,9 +287,10 @@ def _autograd_backward(ctx, do, dL):
 _forward.register_autograd(_autograd_backward, setup_context=_setup_context)
 
 
-def _check_inputs(q, k, v, causal, softmax_scale, kernel, return_lse, window=(-1, -1), alibi_slopes=None, softcap=0.0):
+def _check_inputs(q, k, v, causal, softmax_scale, kernel, return_lse, window=(-1, -1), alibi_slopes=None, softcap=0.0,
+                  B=None):
     """Every check that needs no GPU, in Python, before any launch (the kernel's fit is checked by pick_kernel
-    inside the op, which knows the GPU)."""
+    inside the op, which knows the GPU). B: the number of sequences, if not q's first dimension."""
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
@@ -306,7 +316,7 @@ def _check_inputs(q, k, v, causal, softmax_scale, kernel, return_lse, window=(-1
     if softmax_scale is not None and (isinstance(softmax_scale, bool) or not isinstance(softmax_scale, (int, float))
                                       or not math.isfinite(softmax_scale)):
         raise ValueError(f"softmax_scale must be None or a finite number, got {softmax_scale!r}")
-    _check_scores(q, window, alibi_slopes, softcap)
+    _check_scores(q, window, alibi_slopes, softcap, q.shape[0] if B is None else B)
     if not isinstance(kernel, str):
         raise TypeError(f"kernel must be a string, got {type(kernel).__name__}")
     if kernel != "auto" and kernel not in KERNELS:
@@ -322,7 +332,7 @@ def _check_inputs(q, k, v, causal, softmax_scale, kernel, return_lse, window=(-1
         raise ValueError(f"B and H must each be at most {MAX_GRID}, got B = {q.shape[0]}, H = {q.shape[1]}")
 
 
-def _check_scores(q, window, alibi_slopes, softcap):
+def _check_scores(q, window, alibi_slopes, softcap, B):
     """The masks and score modifications (flash.cu's Scores), checked as FlashAttention takes them."""
     if (not isinstance(window, (tuple, list)) or len(window) != 2
             or any(isinstance(w, bool) or not isinstance(w, int) or w < -1 for w in window)):
@@ -330,7 +340,7 @@ def _check_scores(q, window, alibi_slopes, softcap):
     if isinstance(softcap, bool) or not isinstance(softcap, (int, float)) or not math.isfinite(softcap) or softcap < 0:
         raise ValueError(f"softcap must be a finite number >= 0 (0: off), got {softcap!r}")
     if alibi_slopes is not None:
-        B, H_q = q.shape[0], q.shape[1]
+        H_q = q.shape[1]
         if not isinstance(alibi_slopes, torch.Tensor):
             raise TypeError(f"alibi_slopes must be None or a torch.Tensor, got {type(alibi_slopes).__name__}")
         if (alibi_slopes.dtype != torch.float32 or tuple(alibi_slopes.shape) not in ((H_q,), (B, H_q))
@@ -435,6 +445,130 @@ def flash_attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, k=None, v=N
 
 
 # ---------------------------------------------------------------------------------------------------------
+# Packed batches of sequences of different lengths, as FlashAttention's varlen functions: q (total_q, H_q, d),
+# sequence b its rows cu_seqlens_q[b] .. cu_seqlens_q[b+1]-1. The kernels see (1, H, total, d) views and find
+# each sequence's rows and lengths from cu_seqlens (flash.cu's Rows and Mask), in an extension built with
+# -DPACKED=1 on first use.
+
+def _as_batch(x):
+    """(total, H, d) -> the (1, H, total, d) view the kernels read (and L (H, total) -> (1, H, total))."""
+    return x.unsqueeze(0).transpose(1, 2) if x.dim() == 3 else x.unsqueeze(0)
+
+
+def _as_packed(x):
+    """(1, H, total, d) -> (total, H, d), contiguous (and (1, H, total) -> (H, total))."""
+    return x[0].transpose(0, 1).contiguous() if x.dim() == 4 else x[0]
+
+
+def _check_lengths(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, total_q, total_k):
+    """Each sequence's length against the maxima that size the grid and the tensors' totals: a wrong value
+    would make the kernels skip rows or read past a sequence, so it raises (one synchronisation)."""
+    for name, cu, longest, total in (("q", cu_seqlens_q, max_seqlen_q, total_q),
+                                     ("k", cu_seqlens_k, max_seqlen_k, total_k)):
+        starts = cu.tolist()
+        lengths = [b - a for a, b in zip(starts, starts[1:])]
+        if starts[0] != 0 or starts[-1] != total or min(lengths, default=0) < 0:
+            raise ValueError(f"cu_seqlens_{name} must start at 0, never decrease and end at {total} (the rows of "
+                             f"{name}), got {starts}")
+        if max(lengths, default=0) > longest:
+            raise ValueError(f"max_seqlen_{name} = {longest} is less than the longest sequence, {max(lengths)}")
+
+
+@torch.library.custom_op("flash::varlen_forward", mutates_args=())
+def _varlen_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,
+                    cu_seqlens_k: torch.Tensor, max_seqlen_q: int, max_seqlen_k: int, window_left: int,
+                    window_right: int, scale: float, softcap: float, alibi_slopes: Optional[torch.Tensor],
+                    kernel: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """O (total_q, H_q, d) and L (H_q, total_q) of a packed batch."""
+    _check_lengths(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, q.shape[0], k.shape[0])
+    o, L = _run_forward(*(_as_batch(t) for t in (q, k, v)), (window_left, window_right), scale, softcap, alibi_slopes,
+                        kernel, packed=(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k))
+    return _as_packed(o), _as_packed(L)
+
+
+@_varlen_forward.register_fake
+def _(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, window_left, window_right, scale, softcap,
+      alibi_slopes, kernel):
+    return torch.empty_like(q, memory_format=torch.contiguous_format), q.new_empty(q.shape[1::-1], dtype=torch.float32)
+
+
+@torch.library.custom_op("flash::varlen_backward", mutates_args=())
+def _varlen_backward(do: torch.Tensor, dL: Optional[torch.Tensor], q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                     o: torch.Tensor, L: torch.Tensor, cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor,
+                     max_seqlen_q: int, max_seqlen_k: int, window_left: int, window_right: int, scale: float,
+                     softcap: float, alibi_slopes: Optional[torch.Tensor],
+                     kernel: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """dQ, dK, dV of a packed batch, as _backward."""
+    grads = _run_backward(*(None if t is None else _as_batch(t) for t in (do, dL, q, k, v, o, L)), window_left,
+                          window_right, scale, softcap, alibi_slopes, kernel,
+                          packed=(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k))
+    return tuple(_as_packed(g) for g in grads)
+
+
+@_varlen_backward.register_fake
+def _(do, dL, q, k, v, o, L, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, window_left, window_right,
+      scale, softcap, alibi_slopes, kernel):
+    return tuple(torch.empty_like(t, memory_format=torch.contiguous_format) for t in (q, k, v))
+
+
+def _varlen_setup_context(ctx, inputs, output):
+    q, k, v, cu_seqlens_q, cu_seqlens_k, *options = inputs
+    ctx.save_for_backward(q, k, v, *output, cu_seqlens_q, cu_seqlens_k)
+    ctx.options = options
+    ctx.set_materialize_grads(False)
+
+
+def _varlen_autograd_backward(ctx, do, dL):
+    q, k, v, o, L, cu_seqlens_q, cu_seqlens_k = ctx.saved_tensors
+    if do is None:
+        do = torch.zeros_like(o)
+    dq, dk, dv = _varlen_backward(do, dL, q, k, v, o, L, cu_seqlens_q, cu_seqlens_k, *ctx.options)
+    return (dq, dk, dv) + (None,) * 10
+
+
+_varlen_forward.register_autograd(_varlen_autograd_backward, setup_context=_varlen_setup_context)
+
+
+def flash_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal=False,
+                           softmax_scale=None, kernel="auto", return_lse=False, window=(-1, -1), alibi_slopes=None,
+                           softcap=0.0):
+    """flash_attention on a packed batch of B sequences of different lengths, as FlashAttention's
+    flash_attn_varlen_func: q (total_q, H_q, d), k, v (total_k, H_kv, d), the sequences one after another, with
+    no padding. Sequence b is rows cu_seqlens_q[b] .. cu_seqlens_q[b+1]-1 of q and cu_seqlens_k[b] ..
+    cu_seqlens_k[b+1]-1 of k and v (cu_seqlens: int32 (B + 1,), from 0 to total, on q's device); max_seqlen_q,
+    max_seqlen_k: at least the longest sequence's length (they size the grid). Every sequence attends to its
+    own keys only, causal (bottom right), window and ALiBi aligned to its own lengths; alibi_slopes may be (H_q,)
+    or (B, H_q). Returns o (total_q, H_q, d), and with return_lse L (H_q, total_q), float32, FlashAttention's
+    layout. Differentiable, L included."""
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor) or t.dim() != 3:
+            raise ValueError(f"{name} must be a packed tensor (total, H, d), got "
+                             + (f"shape {tuple(t.shape)}" if isinstance(t, torch.Tensor) else type(t).__name__))
+    for name, cu in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)):
+        if (not isinstance(cu, torch.Tensor) or cu.dtype != torch.int32 or cu.dim() != 1 or cu.numel() < 2
+                or cu.device != q.device):
+            raise ValueError(f"{name} must be an int32 tensor (B + 1,) with B >= 1 on {q.device}, got "
+                             + (f"{cu.dtype} {tuple(cu.shape)} on {cu.device}" if isinstance(cu, torch.Tensor)
+                                else type(cu).__name__))
+    if cu_seqlens_q.numel() != cu_seqlens_k.numel():
+        raise ValueError(f"cu_seqlens_q and cu_seqlens_k must describe the same B sequences, got {cu_seqlens_q.numel()}"
+                         f" and {cu_seqlens_k.numel()} entries")
+    for name, n in (("max_seqlen_q", max_seqlen_q), ("max_seqlen_k", max_seqlen_k)):
+        if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+            raise ValueError(f"{name} must be an integer >= 0, got {n!r}")
+    B = cu_seqlens_q.numel() - 1
+    if B > MAX_GRID:
+        raise ValueError(f"B must be at most {MAX_GRID} sequences, got {B}")
+    _check_inputs(*(_as_batch(t) for t in (q, k, v)), causal, softmax_scale, kernel, return_lse, window, alibi_slopes,
+                  softcap, B)
+    scale = 1.0 / math.sqrt(q.shape[-1]) if softmax_scale is None else float(softmax_scale)
+    window, softcap, alibi_slopes = _options(causal, window, alibi_slopes, softcap)
+    o, L = _varlen_forward(q, k, v, cu_seqlens_q.contiguous(), cu_seqlens_k.contiguous(), max_seqlen_q, max_seqlen_k,
+                           *window, scale, softcap, alibi_slopes, kernel)
+    return (o, L) if return_lse else o
+
+
+# ---------------------------------------------------------------------------------------------------------
 # Measuring errors (the self-check below, tests/ and docs/make_accuracy.py), and python main.py.
 
 # The self-check's bound on rel_err against float64 for a ragged causal problem, per input dtype.
@@ -507,8 +641,9 @@ def _check_gpu():
     print(f"GPU: {torch.cuda.get_device_name()} (sm_{_arch()}), torch {torch.__version__}, CUDA {torch.version.cuda}")
     names = [kn["name"] for kn in list_kernels() if kn["available"]]
     t0 = time.time()
-    print(f"Building (or loading) {', '.join(names)} at every tile width...", flush=True)
-    build(names, sorted({d for kn in KERNELS.values() for d in kn["head_dims"]}))  # (the tests use them all)
+    print(f"Building (or loading) {', '.join(names)} at every tile width (and for packed batches at 64, 128)...",
+          flush=True)
+    build(names, sorted({d for kn in KERNELS.values() for d in kn["head_dims"]}), (64, 128))  # (the tests use them)
     print(f"ready in {time.time() - t0:.1f} s")
     torch.backends.cuda.matmul.allow_tf32 = False
     # PyTorch warns when autograd's own thread makes the first cuBLAS call; it sets the context itself.

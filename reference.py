@@ -206,3 +206,19 @@ def flash_decode(Q, K, V, causal=False, softmax_scale=None, splits=4, B_r=64, B_
     for O_s, L_s in parts[1:]:
         O, L = merge(O, L, O_s, L_s)
     return O, L
+
+
+def attention_varlen(Q, K, V, cu_seqlens_q, cu_seqlens_k, causal=False, softmax_scale=None, window=(-1, -1),
+                     alibi_slopes=None, softcap=0.0):
+    """A packed batch (FlashAttention's varlen layout): Q (total_q, H_q, d), K, V (total_k, H_kv, d), sequence b
+    at rows cu_seqlens_q[b] .. cu_seqlens_q[b+1]-1 and cu_seqlens_k[b] .. cu_seqlens_k[b+1]-1. Each sequence is
+    attention() on its own rows, so every mask is aligned to its own N_q and N_k; alibi_slopes (H_q,) or
+    (B, H_q). The kernels do the same in one launch: a block of the grid per (query block, head, sequence)."""
+    q, k = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
+    parts = []
+    for b in range(len(q) - 1):
+        slopes = alibi_slopes[b] if alibi_slopes is not None and alibi_slopes.dim() == 2 else alibi_slopes
+        Q_b, K_b, V_b = (X[s:e].transpose(0, 1) for X, s, e in ((Q, q[b], q[b + 1]), (K, k[b], k[b + 1]),
+                                                               (V, k[b], k[b + 1])))  # (H, N, d)
+        parts.append(attention(Q_b, K_b, V_b, causal, softmax_scale, window, slopes, softcap).transpose(0, 1))
+    return torch.cat(parts)                                                # (total_q, H_q, d)

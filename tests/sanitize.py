@@ -12,8 +12,9 @@ The script builds flash.cu first, without a sanitizer, then runs itself once per
 available kernel, dtype and tile width (head dim), forward and autograd backward: at d = 64, B = 1, H = 2,
 N in (1, 37, 130) (one row; one ragged block; several blocks and a ragged last one), causal and not (causal
 on transposed views, read through their strides), and unequal lengths with grouped-query attention (SHAPES);
-at the other tile widths, a ragged causal GQA shape and a split-KV decoding one. Racecheck, the slow
-one, uses N = 130 only. It prints one line per tool, the output tail of any tool that reported something, and exits
+at the other tile widths, a ragged causal GQA shape and a split-KV decoding one. At d = 64 also every mask and
+score modification at once (window, softcap, ALiBi), and a packed batch (flash_attention_varlen) whose
+sequences have no queries, no keys, one token or ragged blocks. Racecheck, the slow one, uses N = 130 only. It prints one line per tool, the output tail of any tool that reported something, and exits
 1 if any did. (pytest collects test_*.py only, so this file is not a test.)
 """
 import argparse
@@ -70,9 +71,32 @@ def run_cases(lengths):
                     assert all(torch.isfinite(t).all() for t in (o, *grads)), \
                         f"non-finite output: {kn['name']} {dtype} d={d} N_q={N_q} N_k={N_k} causal={causal}"
                     cases += 1
+                if d == 64:
+                    cases += run_masks_and_varlen(kn["name"], getattr(torch, dtype))
             covered.append(f"{kn['name']} {dtype} d={','.join(map(str, kn['head_dims']))}")
     torch.cuda.synchronize()
     print(f"cases: {cases} ({'; '.join(covered)})")  # the line the parent reads
+
+
+def run_masks_and_varlen(kernel, dtype):
+    """A window, a softcap and ALiBi together on a ragged GQA shape, and a packed batch with them: the cases
+    that read and skip blocks by the mask, and that read past a sequence's rows into the next one's."""
+    def grads(f, *xs):
+        xs = [x.requires_grad_() for x in xs]
+        o = f(*xs)
+        grads = torch.autograd.grad(o, xs, torch.randn_like(o))
+        assert all(torch.isfinite(t).all() for t in (o, *grads)), f"non-finite output: {kernel} {dtype} masks/varlen"
+    slopes = torch.rand(4, device="cuda")
+    scores = dict(window=(20, 5), softcap=5.0, alibi_slopes=slopes)
+    q, k, v = (torch.randn(1, H, N, 64, device="cuda", dtype=dtype) for H, N in ((4, 130), (2, 37), (2, 37)))
+    grads(lambda q, k, v: main.flash_attention(q, k, v, causal=True, kernel=kernel, **scores), q, k, v)
+    lengths_q, lengths_k = [1, 37, 0, 130, 5], [37, 1, 5, 130, 0]
+    cu_q, cu_k = (torch.tensor([0, *n], device="cuda").cumsum(0).to(torch.int32) for n in (lengths_q, lengths_k))
+    q, k, v = (torch.randn(int(cu[-1]), H, 64, device="cuda", dtype=dtype) for H, cu in ((4, cu_q), (2, cu_k), (2, cu_k)))
+    for causal, extra in ((False, {}), (True, scores)):
+        grads(lambda q, k, v: main.flash_attention_varlen(q, k, v, cu_q, cu_k, 130, 130, causal, kernel=kernel,
+                                                          **extra), q, k, v)
+    return 3
 
 
 def find_sanitizer():
@@ -118,8 +142,8 @@ if __name__ == "__main__":
     if set(tools) - set(TOOLS):
         sys.exit(f"unknown tool in {args.tools}; choose from {', '.join(TOOLS)}")
     sanitizer = find_sanitizer()
-    main.build([k["name"] for k in main.list_kernels() if k["available"]],  # once, outside the sanitizer
-               sorted({d for k in main.list_kernels() for d in k["head_dims"]}))
+    available = [k["name"] for k in main.list_kernels() if k["available"]]  # built once, outside the sanitizer
+    main.build(available, sorted({d for k in main.list_kernels() for d in k["head_dims"]}), (64,))
     print(f"GPU: {torch.cuda.get_device_name()}, torch {torch.__version__}, CUDA {torch.version.cuda}")
     print(f"{'tool':<10} {'errors':>6} {'seconds':>7}  kernels covered")
     failed = []

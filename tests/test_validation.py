@@ -160,3 +160,54 @@ def test_kvcache_checks_its_inputs_too():
     q, k_cache, v_cache = torch.randn(1, 2, 1, 64), torch.randn(1, 2, 16, 64), torch.randn(1, 2, 16, 64)
     with pytest.raises(ValueError, match="must be a CUDA tensor"):
         main.flash_attention_with_kvcache(q, k_cache, v_cache, 3)
+
+
+def packed_qkv(total=10, H=2, d=64, device="cpu"):
+    return [torch.randn(total, H, d, device=device) for _ in range(3)]
+
+
+def cu(*starts, device="cpu", dtype=torch.int32):
+    return torch.tensor(starts, dtype=dtype, device=device)
+
+
+@pytest.mark.parametrize("make, error, words", [
+    (lambda: (torch.randn(1, 10, 2, 64), *packed_qkv()[1:], cu(0, 10), cu(0, 10), 10, 10), ValueError,
+     "q must be a packed tensor (total, H, d), got shape (1, 10, 2, 64)"),
+    (lambda: (*packed_qkv(), cu(0, 10, dtype=torch.int64), cu(0, 10), 10, 10), ValueError,
+     "cu_seqlens_q must be an int32 tensor (B + 1,)"),
+    (lambda: (*packed_qkv(), cu(0, 10), [0, 10], 10, 10), ValueError, "cu_seqlens_k must be an int32 tensor"),
+    (lambda: (*packed_qkv(), cu(10), cu(10), 10, 10), ValueError, "with B >= 1"),
+    (lambda: (*packed_qkv(), cu(0, 4, 10), cu(0, 10), 10, 10), ValueError, "the same B sequences"),
+    (lambda: (*packed_qkv(), cu(0, 10), cu(0, 10), 10.0, 10), ValueError, "max_seqlen_q must be an integer >= 0"),
+    (lambda: (*packed_qkv(), cu(0, 10), cu(0, 10), 10, 10), ValueError, "must be a CUDA tensor"),
+])
+def test_varlen_bad_inputs(make, error, words):
+    with pytest.raises(error) as info:
+        main.flash_attention_varlen(*make())
+    assert words in str(info.value)
+
+
+def test_varlen_alibi_slopes_are_per_sequence():
+    q, k, v = packed_qkv()
+    with pytest.raises(ValueError, match=re.escape("(B, H_q) = (3, 2)")):
+        main.flash_attention_varlen(q, k, v, cu(0, 2, 5, 10), cu(0, 2, 5, 10), 5, 5, alibi_slopes=torch.ones(1, 2))
+
+
+@cuda
+def test_varlen_lengths_are_checked():
+    q, k, v = packed_qkv(device="cuda")
+    with pytest.raises(ValueError, match="max_seqlen_q = 4 is less than the longest sequence, 6"):
+        main.flash_attention_varlen(q, k, v, cu(0, 4, 10, device="cuda"), cu(0, 4, 10, device="cuda"), 4, 6)
+    with pytest.raises(ValueError, match=re.escape("cu_seqlens_k must start at 0, never decrease and end at 10")):
+        main.flash_attention_varlen(q, k, v, cu(0, 4, 10, device="cuda"), cu(0, 6, 4, device="cuda"), 6, 6)
+
+
+def test_varlen_fake_implementations():
+    q = torch.empty(30, 8, 64, dtype=torch.bfloat16, device="meta")
+    k, v = (torch.empty(50, 2, 64, dtype=torch.bfloat16, device="meta") for _ in range(2))
+    starts = torch.empty(4, dtype=torch.int32, device="meta")
+    o, L = torch.ops.flash.varlen_forward(q, k, v, starts, starts, 20, 30, -1, 0, 0.125, 0.0, None, "auto")
+    assert o.shape == q.shape and o.is_contiguous() and L.shape == (8, 30) and L.dtype == torch.float32
+    dq, dk, dv = torch.ops.flash.varlen_backward(torch.empty_like(o), None, q, k, v, o, L, starts, starts, 20, 30,
+                                                 -1, 0, 0.125, 0.0, None, "auto")
+    assert dq.shape == q.shape and dk.shape == dv.shape == k.shape
