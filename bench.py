@@ -8,6 +8,12 @@
     python bench.py --plot-from docs/benchmarks/results.json --markdown docs/benchmarks.md   # no GPU needed
     python bench.py --decode --out docs/benchmarks --markdown docs/benchmarks.md   # N_q = 1 against a KV cache
     python bench.py --plot-from docs/benchmarks/decode.json --markdown docs/benchmarks.md  # its section, no GPU
+    python bench.py --window 1024 --seqlens 4096,16384 --d 128 --dtype bf16 --causal on --modes fwd,fwd_bwd \
+        --out docs/benchmarks/window --markdown docs/benchmarks-window.md   # a sliding window against full rows
+
+--window W gives every query the W keys before it (and, unless causal, the W after it): flash_attention's
+window=(W, W), or (W, 0) when causal; SDPA and manual attention get the same mask as an N x N attn_mask, which is
+what they take. TFLOP/s then counts the (query, key) pairs the window keeps.
 
 --decode times one query per sequence (decoding a token) against K, V caches of N_k keys, H_q = 32, d = 128,
 forward only: our split-KV kernels, SDPA and manual attention, in GB/s and % of the GPU's memory bandwidth. It
@@ -64,7 +70,7 @@ COLUMNS = [("dtype", "dtype", 5, "{}"), ("d", "d", 3, "{}"), ("causal", "causal"
            ("tflops", "TFLOP/s", 7, "{:.1f}"), ("pct_peak", "%peak", 5, "{:.1f}"), ("speedup", "speedup", 7, "{:.2f}x"),
            ("vs_sdpa", "vs SDPA", 7, "{:.2f}x"), ("memory_mib", "MiB", 7, "{:.0f}"),
            ("memory_saving", "mem saving", 10, "{:.1f}x"), ("max_error", "max err", 7, "{:.0e}")]
-ROW_FIELDS = [field for field, *_ in COLUMNS] + ["note"]
+ROW_FIELDS = [field for field, *_ in COLUMNS] + ["note"]  # and "window" in the rows of a --window run
 GROUP_FIELDS = ("mode", "dtype", "d", "causal")  # one figure and one markdown table each
 # Decoding: one new token per sequence (N_q = 1) against a K, V cache of N_k keys in H_kv heads; shapes of an 8B
 # model (H_q = 32, d = 128; H_kv = 8 is its grouped-query attention). SDPA is the unit; manual expands K and V.
@@ -79,9 +85,18 @@ DECODE_COLUMNS = [("dtype", "dtype", 5, "{}"), ("batch", "B", 3, "{}"), ("heads"
 DECODE_ROW_FIELDS = [field for field, *_ in DECODE_COLUMNS] + ["note"]
 
 
-def attention_flops(batch, heads, seqlen, head_dim, causal, mode):
-    """FLOPs of one call: forward is 2 matmuls of 2*N*N*d each; causal skips half."""
-    return 4 * batch * heads * seqlen**2 * head_dim / (2 if causal else 1) * MODE_FLOP_FACTOR[mode]
+def attention_flops(batch, heads, seqlen, head_dim, causal, mode, window=None):
+    """FLOPs of one call: forward is 2 matmuls of 2*N*N*d each; causal skips half. With a window of W keys on
+    each side, only the pairs it keeps: query r sees keys max(0, r - W) .. min(N - 1, r + W) (r + 0 causal)."""
+    if window is None:
+        return 4 * batch * heads * seqlen**2 * head_dim / (2 if causal else 1) * MODE_FLOP_FACTOR[mode]
+    pairs = sum(min(seqlen - 1, r + (0 if causal else window)) - max(0, r - window) + 1 for r in range(seqlen))
+    return 4 * batch * heads * pairs * head_dim * MODE_FLOP_FACTOR[mode]
+
+
+def window_of(causal, window):
+    """flash_attention's window for --window W: (W, W), or (W, 0) when causal; (-1, -1) without one."""
+    return (-1, -1) if window is None else (window, 0 if causal else window)
 
 
 def lookup(table, gpu_name):
@@ -134,6 +149,8 @@ def parse_args(argv):
     add("--seqlens", type=comma_list(int), default="512,1024,2048,4096,8192,16384", help="sequence lengths N")
     add("--batch", type=int, help="fixed batch size (default: 16384 // N)")
     add("--heads", type=int, help="fixed number of heads (default: 2048 // d)")
+    add("--window", type=int, metavar="W", help="a sliding window: each query sees W keys before it and, unless "
+        "causal, W after (default: none)")
     add("--warmup", type=float, default=25.0, help="warm-up per measurement in ms (default: %(default)s)")
     add("--rep", type=float, default=100.0, help="measuring time per measurement in ms (default: %(default)s)")
     add("--out", type=Path, help="folder for results.json (decode.json) and the figures (default: bench_results)")
@@ -165,15 +182,16 @@ def parse_args(argv):
     return args
 
 
-def reference_outputs(q, k, v, do, causal, scale, max_block_elements=2**27):
+def reference_outputs(q, k, v, do, causal, scale, window=(-1, -1), max_block_elements=2**27):
     """[O], or [O, dQ, dK, dV] when do is given, in float32 by reference.py's Algorithms 1 and 2: with blocks
     as large as keep one S_ij under max_block_elements, it is fast and exists where manual attention runs out."""
     q, k, v = (t.float() for t in (q, k, v))
     block = max(16, 2 ** int(math.log2((max_block_elements / (q.shape[0] * q.shape[1])) ** 0.5)))
-    O, L = reference.flash_forward(q, k, v, causal, scale, B_r=block, B_c=block)
+    O, L = reference.flash_forward(q, k, v, causal, scale, B_r=block, B_c=block, window=window)
     if do is None:
         return [O]
-    return [O, *reference.flash_backward(q, k, v, O, L, do.float(), causal, scale, B_r=block, B_c=block)]
+    return [O, *reference.flash_backward(q, k, v, O, L, do.float(), causal, scale, B_r=block, B_c=block,
+                                         window=window)]
 
 
 def max_error(results, references):
@@ -190,19 +208,25 @@ def max_error(results, references):
     return torch.stack(errors).max().item()
 
 
-def attention_fn(system, causal, scale):
-    """f(q, k, v) -> output for one system."""
+def attention_fn(system, causal, scale, window=(-1, -1)):
+    """f(q, k, v) -> output for one system. A window goes to SDPA as a boolean N x N attn_mask."""
     if system == "manual":
-        return lambda q, k, v: reference.attention(q, k, v, causal, scale)
+        return lambda q, k, v: reference.attention(q, k, v, causal, scale, window)
+    if system in SDPA and window != (-1, -1):
+        def sdpa_windowed(q, k, v):
+            N = q.shape[2]
+            mask = ~reference._hidden(0, N, 0, N, q.device, 0, reference._window(causal, window))
+            return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+        return sdpa_windowed
     if system in SDPA:  # enable_gqa: k, v have fewer heads than q (decoding); without it SDPA refuses them
         return lambda q, k, v: torch.nn.functional.scaled_dot_product_attention(
             q, k, v, is_causal=causal, scale=scale, enable_gqa=k.shape[1] < q.shape[1])
-    return lambda q, k, v: flash_attention(q, k, v, causal=causal, softmax_scale=scale, kernel=system)
+    return lambda q, k, v: flash_attention(q, k, v, causal=causal, softmax_scale=scale, kernel=system, window=window)
 
 
-def measure(system, inputs, refs, mode, causal, scale, tolerance, args):
+def measure(system, inputs, refs, mode, causal, scale, tolerance, args, window=(-1, -1)):
     """Check one system against the reference, then measure its peak memory and time: part of a row."""
-    attn, (q, k, v, do), backend = attention_fn(system, causal, scale), inputs, SDPA.get(system)
+    attn, (q, k, v, do), backend = attention_fn(system, causal, scale, window), inputs, SDPA.get(system)
     if mode != "fwd":
         q, k, v = (t.detach().requires_grad_() for t in (q, k, v))
     try:
@@ -236,7 +260,8 @@ def add_ratios(rows, peak):
     ok = {row["system"]: row for row in rows if row["status"] == "ok"}
     manual, sdpa_ms = ok.get("manual"), min((row["ms"] for s, row in ok.items() if s in SDPA), default=None)
     for row in ok.values():
-        flops = attention_flops(*(row[key] for key in ("batch", "heads", "seqlen", "d", "causal", "mode")))
+        flops = attention_flops(*(row[key] for key in ("batch", "heads", "seqlen", "d", "causal", "mode")),
+                                row.get("window"))
         row["tflops"] = flops / row["ms"] / 1e9  # FLOP per ms -> TFLOP/s
         row["pct_peak"] = 100 * row["tflops"] / peak if peak else None
         row["vs_sdpa"] = sdpa_ms / row["ms"] if sdpa_ms else None
@@ -255,10 +280,11 @@ def fitting_kernels(kernels, dtype, d):
 def bench_problem(problem, kernels, args, peak):
     """Yield the rows of one problem, every layout, mode and system on the same inputs."""
     causal, scale, dtype, d = problem["causal"], problem["d"] ** -0.5, problem["dtype"], problem["d"]
+    window = window_of(causal, problem.get("window"))
     generator = torch.Generator(device="cuda").manual_seed(0)
     shape = (problem["batch"], problem["heads"], problem["seqlen"], d)
     inputs = [torch.randn(shape, dtype=DTYPES[dtype], device="cuda", generator=generator) for _ in range(4)]
-    refs = reference_outputs(*inputs[:3], inputs[3] if args.modes != ["fwd"] else None, causal, scale)
+    refs = reference_outputs(*inputs[:3], inputs[3] if args.modes != ["fwd"] else None, causal, scale, window)
     fits = fitting_kernels(kernels, dtype, d)
     for layout, mode in itertools.product(args.layout, args.modes):
         # The same values in both layouts; transposed holds them as (B, N, H, d) in memory.
@@ -271,7 +297,7 @@ def bench_problem(problem, kernels, args, peak):
             if mode != "fwd" and system in kernels and kernels[system]["backward_kernel"] not in fits:
                 row.update(status="unsupported", note=f"no {dtype} backward kernel (main.py would upcast to fp32)")
             else:
-                row.update(measure(system, views, refs, mode, causal, scale, TOLERANCE[dtype], args))
+                row.update(measure(system, views, refs, mode, causal, scale, TOLERANCE[dtype], args, window))
             rows.append(row)
             if row["status"] == "OOM":
                 gc.collect()  # measure's frames are gone now: what they held is free for the next system
@@ -373,6 +399,8 @@ def run_sweep(args, command):
     for dtype, d, causal, seqlen in itertools.product(args.dtype, args.d, args.causal, args.seqlens):
         batch, heads = args.batch or max(1, TOKENS // seqlen), args.heads or max(1, WIDTH // d)
         problem = {"dtype": dtype, "d": d, "causal": causal, "seqlen": seqlen, "batch": batch, "heads": heads}
+        if args.window is not None:
+            problem["window"] = args.window
         for row in bench_problem(problem, kernels, args, peak_tflops(metadata["gpu"], dtype)):
             rows.append(row)
             print(table_lines([row])[-1], flush=True)
@@ -405,7 +433,8 @@ def table_lines(rows, columns=COLUMNS):
 
 
 def group_title(row):
-    return f"{row['mode']}, {row['dtype']}, d={row['d']}, {'causal' if row['causal'] else 'non-causal'}"
+    window = f", window={row['window']}" if row.get("window") is not None else ""
+    return f"{row['mode']}, {row['dtype']}, d={row['d']}, {'causal' if row['causal'] else 'non-causal'}{window}"
 
 
 def group_rows(rows):
@@ -543,8 +572,12 @@ def write_markdown(path, metadata, rows, figures, results, render_command):
              "fastest of SDPA's backends (and its default choice), both on the same problem in the same run; above 1",
              "is better. An empty cell: that system did not run (see status). TFLOP/s counts 4·B·H·N²·d forward,",
              "halved when causal, x2.5 backward, x3.5 both. Layout contiguous: q, k, v made as (B, H, N, d);",
-             "transposed: made as (B, N, H, d) and viewed as (B, H, N, d), as nanoGPT holds them.", "",
-             "| | |", "|---|---|"]
+             "transposed: made as (B, N, H, d) and viewed as (B, H, N, d), as nanoGPT holds them.", ""]
+    if any(row.get("window") is not None for row in rows):
+        lines += ["A window (`--window W`): each query sees the W keys before it (and, unless causal, the W after);",
+                  "SDPA and manual attention get it as an N x N attn_mask, and TFLOP/s counts the (query, key) pairs",
+                  "it keeps.", ""]
+    lines += ["| | |", "|---|---|"]
     lines += [f"| {key} | {value} |" for key, value in metadata.items() if key != "command"]
     lines += ["", "Measured with:", "", "```", metadata["command"], "```", ""]
     if render_command != metadata["command"]:
