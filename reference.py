@@ -22,7 +22,9 @@ The departures from the paper, each of which the kernels share:
     key/value head h // (H_q / H_kv), and dK, dV sum over the query heads of a group;
   - masks and score modifications, as FlashAttention's arguments: a window (left, right) around each query's
     diagonal position i + N_k - N_q (causal is right = 0), ALiBi slopes and a softcap, applied to S_ij in one
-    step (_modified, _hidden) before the online softmax; key blocks outside every window are skipped.
+    step (_modified, _hidden) before the online softmax; key blocks outside every window are skipped;
+  - packed batches of sequences of different lengths (attention_varlen, FlashAttention's varlen layout): each
+    sequence on its own rows, with its own N_q and N_k.
 The "l.N" tags are the line numbers of the paper's Algorithms 1 and 2.
 """
 import math

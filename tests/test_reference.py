@@ -1,4 +1,6 @@
 """reference.py (Algorithms 1 and 2 as loops over blocks) against dense attention and autograd, in float64."""
+import math
+
 import pytest
 import torch
 
@@ -95,3 +97,24 @@ def test_split_kv_equals_one_pass(splits):
         o_ref, L_ref = reference.flash_forward(q, k, v, causal, B_c=6)
         torch.testing.assert_close(o, o_ref, rtol=1e-12, atol=1e-12)
         torch.testing.assert_close(L, L_ref, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_attention_varlen_is_block_diagonal_attention(causal):
+    """A packed batch is one attention over all its tokens with a block-diagonal mask: query and key in the
+    same sequence (and, causal, the key at most at the query's bottom-right position in it)."""
+    torch.manual_seed(3)
+    lengths_q, lengths_k = [3, 1, 7, 5], [4, 6, 7, 2]
+    cu_q, cu_k = (torch.tensor([0, *n]).cumsum(0).to(torch.int32) for n in (lengths_q, lengths_k))
+    Q = torch.randn(sum(lengths_q), 4, 8, dtype=torch.float64)
+    K, V = (torch.randn(sum(lengths_k), 2, 8, dtype=torch.float64) for _ in range(2))
+    seq_q = torch.repeat_interleave(torch.arange(4), torch.tensor(lengths_q))  # each token's sequence
+    seq_k = torch.repeat_interleave(torch.arange(4), torch.tensor(lengths_k))
+    pos_q = torch.arange(len(seq_q)) - cu_q[seq_q] + (cu_k[seq_q + 1] - cu_k[seq_q]) - (cu_q[seq_q + 1] - cu_q[seq_q])
+    pos_k = torch.arange(len(seq_k)) - cu_k[seq_k]
+    seen = (seq_q[:, None] == seq_k[None, :]) & (~torch.tensor(causal) | (pos_k[None, :] <= pos_q[:, None]))
+    S = torch.einsum("qhd,khd->hqk", Q, K.repeat_interleave(2, dim=1)) / math.sqrt(8)
+    P = torch.softmax(S.masked_fill(~seen, float("-inf")), -1).nan_to_num(0.0)
+    expected = torch.einsum("hqk,khd->qhd", P, V.repeat_interleave(2, dim=1))
+    O = reference.attention_varlen(Q, K, V, cu_q, cu_k, causal)
+    assert torch.allclose(O, expected, atol=1e-12)
