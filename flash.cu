@@ -118,7 +118,7 @@ __device__ float to_float(__nv_bfloat16 x) { return __bfloat162float(x); }
 // and head() moves ptr there, so that every kernel reads a sequence's rows as it reads a padded batch's.
 // An extension takes packed batches only if built with -DPACKED=1 (main.py builds one on first use): every
 // sequence then has its own N_q and N_k (see Mask), in registers where a padded batch reads them from the
-// kernel's parameters, which costs the largest tiles up to about 50 bytes of spills.
+// kernel's parameters, which costs the largest tiles up to about 60 bytes more of spills.
 #ifndef PACKED
 #define PACKED 0
 #endif
@@ -2279,8 +2279,8 @@ template <typename T, int d, int B_c = d <= 64 ? 128 : 64>
 void fwd_ampere(const at::Tensor& Q, const at::Tensor& K, const at::Tensor& V, at::Tensor& O, at::Tensor& L,
                 const Scores& sc, cudaStream_t stream) {
   // Four warps of M = 2 tiles of 16 rows, B_r = 128, and B_c = 128 (d <= 64) or 64, as FlashAttention-2 on
-  // sm_90; these were faster than key blocks half that size. At d = 128, 255 registers (no spills)
-  // let two blocks share an SM. Past d = 128 one tile per warp (M = 1, B_r = 64) keeps O_i in registers.
+  // sm_90; these were faster than key blocks half that size. At d = 128, 255 registers (nvcc 13.0: and 40
+  // bytes of spills) let two blocks share an SM. Past d = 128 one tile per warp (M = 1, B_r = 64) keeps O_i in registers.
   // Where a block gets less shared memory (d = 128: 102 KB, more than the 99 KB of sm_86 and sm_89; d = 256:
   // 169 KB, more than an A100's 163 KB), B_c is halved until the tiles fit.
   constexpr int NW = 4, M = d <= 128 ? 2 : 1, B_r = 16 * M * NW;
@@ -2299,7 +2299,7 @@ void bwd_ampere(const at::Tensor& Q, const at::Tensor& K, const at::Tensor& V, c
                 const Scores& sc, float scale, cudaStream_t stream) {
   // Eight warps, B_c = 128 keys: against four warps and B_c = 64, each Q_i, dO_i tile in shared memory serves
   // twice as many warps and dQ gets half as many atomic adds per FLOP. B_r = 128 (d <= 64) or 64 as
-  // FlashAttention-2 on sm_80 (255 registers, no spills at d = 128). Past d = 128 each block writes DC = d/2
+  // FlashAttention-2 on sm_80 (255 registers at d = 128; nvcc 13.0 spills 24-44 bytes). Past d = 128 each block writes DC = d/2
   // columns (see the kernel) and has four warps: its tiles then take 162 KB at d = 192, 211 KB at d = 256.
   // Where a block gets less shared memory (sm_86 and sm_89: 99 KB; an A100 at d = 256: 163 KB), the warps and
   // B_r are halved together, so that each warp keeps its share of dQ_i, until the tiles fit.
