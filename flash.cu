@@ -122,13 +122,22 @@ __device__ float to_float(__nv_bfloat16 x) { return __bfloat162float(x); }
 #ifndef PACKED
 #define PACKED 0
 #endif
+// Where this block's sequence is: its row r is row first + r of batch b. In a padded batch first = 0 and
+// b = blockIdx.z; in a packed batch first = starts[blockIdx.z] and b = 0. (starts = nullptr: the padded case,
+// also in a packed batch's one-batch steps, D = rowsum(dO o O).) Rows::head and the TMA loads go there.
+struct Sequence {
+  int first, b;
+  __device__ explicit Sequence(const int* starts)
+      : first(PACKED && starts ? starts[blockIdx.z] : 0), b(PACKED && starts ? 0 : int(blockIdx.z)) {}
+};
 template <typename T>
 struct Rows {
   T* ptr;
   int64_t stride_b, stride_h, stride_n;  // in elements
-  const int* starts;                     // a packed batch's (B + 1) sequence starts, else nullptr (also in a
-                                         // packed batch: the tensors of its one-batch steps, D = rowsum(dO o O))
+  const int* starts;                     // a packed batch's (B + 1) sequence starts, else nullptr
   __device__ Rows head(int group = 1) const {
+    // (Sequence's first and b, written out: the same offset through Sequence costs the ampere backward
+    // 40 bytes more of spills at d = 128)
     const int64_t first = PACKED && starts ? starts[blockIdx.z] * stride_n : blockIdx.z * stride_b;
     return {ptr + first + blockIdx.y / group * stride_h, stride_b, stride_h, stride_n, starts};
   }
@@ -195,7 +204,8 @@ struct Mask {
   // The blocks that are not hidden entirely: key blocks x .. y-1 of B_c for queries row0 .. row0+rows-1 (all
   // T_c, or with a window those it reaches), and query blocks x .. y-1 of B_r for keys col0 .. col0+cols-1.
   // At least one block, so that every loop runs (rows that see no key end with l_i = 0, keys no query sees with
-  // dK_j = dV_j = 0, even in a packed sequence without keys or queries). With a window of w keys the blocks are about N w / (B_r B_c), not N^2 / (B_r B_c).
+  // dK_j = dV_j = 0, even in a packed sequence without keys or queries). With a window of w keys the blocks
+  // are about N w / (B_r B_c), not N^2 / (B_r B_c).
   __device__ int2 key_blocks(int row0, int rows, int B_c) const {
     const int T_c = (N_k + B_c - 1) / B_c, x = min(max(first_key(row0), 0) / B_c, max(T_c - 1, 0));
     return {x, max(x + 1, min(T_c, last_key(row0 + rows - 1) / B_c + 1))};
@@ -882,7 +892,7 @@ flash_fwd_turing(Rows<const __half> Q, Rows<const __half> K, Rows<const __half> 
 
   const int r = row0 + 16 * warp + g;  // this lane's rows: r and r + 8
   float O_i[d / 8][4] = {}, m_i[2] = {M_START, M_START}, l_i[2] = {0.f, 0.f};  // l.5
-  for (int j = blocks.x; j < blocks.y; j++) {                                         // l.6
+  for (int j = blocks.x; j < blocks.y; j++) {                               // l.6
     __syncthreads();  // every warp is done with the buffers (Q_i, or K_j-1 and V_j-1) before the refill
     load_tile<B_c, d, NW * 32>(K_s, ld, K, j * B_c, N_k);                    // l.7
     load_tile<B_c, d, NW * 32>(V_s, ld, V, j * B_c, N_k);
@@ -1521,16 +1531,9 @@ __device__ inline void mbar_wait(uint32_t bar, int parity) {  // until the phase
                  : "=r"(done) : "r"(bar), "r"(parity) : "memory");
 }
 
-// Where this block's sequence is in a TMA map: its row r is row first + r of batch b. In a (B, H, N, d) map
-// first = 0 and b = blockIdx.z; in a packed batch's (1, H, total, d) map (see Rows) first = starts[blockIdx.z]
-// and b = 0.
-struct Sequence {
-  int first, b;
-  __device__ explicit Sequence(const int* starts)
-      : first(PACKED && starts ? starts[blockIdx.z] : 0), b(PACKED && starts ? 0 : int(blockIdx.z)) {}
-};
 // for (r, c) in the map's box (rows, 64): dst[swizzled (r, c)] = X[b][h][first + row + r][col + c], zero past
-// the map's rows, for head h of sequence seq; the copy runs on its own and counts its bytes on bar.
+// the map's rows, for head h of sequence seq (a packed batch's map: (1, H, total, d)); the copy runs on its
+// own and counts its bytes on bar.
 __device__ inline void tma_load(uint32_t dst, const CUtensorMap& map, int col, Sequence seq, int row, int h,
                                 uint32_t bar) {
   asm volatile("cp.async.bulk.tensor.4d.shared::cluster.global.mbarrier::complete_tx::bytes"
@@ -2204,8 +2207,8 @@ void launch(Kernel kernel, dim3 grid, int threads, size_t smem, cudaStream_t str
 // D = rowsum(dO o O) for every row of every head: 8 rows (one per warp) per block of 256 threads.
 template <typename T>
 void launch_preprocess(const at::Tensor& O, const at::Tensor& dO, at::Tensor& D, cudaStream_t stream) {
-  launch(flash_bwd_preprocess<T>, dim3((O.size(2) + 7) / 8, O.size(1), O.size(0)), 256, 0, stream, rows<const T>(O),
-         rows<const T>(dO), ptr<float>(D), (int)O.size(2), (int)O.size(3));
+  launch(flash_bwd_preprocess<T>, dim3((O.size(2) + 7) / 8, O.size(1), O.size(0)), 256, 0, stream,
+         rows<const T>(O), rows<const T>(dO), ptr<float>(D), (int)O.size(2), (int)O.size(3));
 }
 
 #if defined(BUILD_fp32)
@@ -2222,8 +2225,9 @@ void fwd_fp32(const at::Tensor& Q, const at::Tensor& K, const at::Tensor& V, at:
   const size_t smem = sizeof(float) * (B_r * (d + 4) + B_c * std::max(d + 4, B_r + 4) + B_c * d);
   if constexpr (B_r > 32)  // (each thread needs a multiple of 4 rows: B_r >= 32)
     if (smem > max_smem_per_block()) return fwd_fp32<d, B_r / 2>(Q, K, V, O, L, sc, stream);
-  launch(flash_fwd_fp32<d, B_r, B_c>, grid((N_q + B_r - 1) / B_r, Q, sc), 128, smem, stream, rows<const float>(Q, cu_q),
-         rows<const float>(K, cu_k), rows<const float>(V, cu_k), rows<float>(O, cu_q), ptr<float>(L), sc, group(Q, K));
+  launch(flash_fwd_fp32<d, B_r, B_c>, grid((N_q + B_r - 1) / B_r, Q, sc), 128, smem, stream,
+         rows<const float>(Q, cu_q), rows<const float>(K, cu_k), rows<const float>(V, cu_k), rows<float>(O, cu_q),
+         ptr<float>(L), sc, group(Q, K));
 }
 
 template <int d, int B_r = (d <= 64 ? 64 : d <= 128 ? 32 : 16)>
@@ -2280,7 +2284,8 @@ void fwd_ampere(const at::Tensor& Q, const at::Tensor& K, const at::Tensor& V, a
                 const Scores& sc, cudaStream_t stream) {
   // Four warps of M = 2 tiles of 16 rows, B_r = 128, and B_c = 128 (d <= 64) or 64, as FlashAttention-2 on
   // sm_90; these were faster than key blocks half that size. At d = 128, 255 registers (nvcc 13.0: and 40
-  // bytes of spills) let two blocks share an SM. Past d = 128 one tile per warp (M = 1, B_r = 64) keeps O_i in registers.
+  // bytes of spills) let two blocks share an SM. Past d = 128 one tile per warp (M = 1, B_r = 64) keeps O_i
+  // in registers.
   // Where a block gets less shared memory (d = 128: 102 KB, more than the 99 KB of sm_86 and sm_89; d = 256:
   // 169 KB, more than an A100's 163 KB), B_c is halved until the tiles fit.
   constexpr int NW = 4, M = d <= 128 ? 2 : 1, B_r = 16 * M * NW;
@@ -2299,8 +2304,9 @@ void bwd_ampere(const at::Tensor& Q, const at::Tensor& K, const at::Tensor& V, c
                 const Scores& sc, float scale, cudaStream_t stream) {
   // Eight warps, B_c = 128 keys: against four warps and B_c = 64, each Q_i, dO_i tile in shared memory serves
   // twice as many warps and dQ gets half as many atomic adds per FLOP. B_r = 128 (d <= 64) or 64 as
-  // FlashAttention-2 on sm_80 (255 registers at d = 128; nvcc 13.0 spills 24-44 bytes). Past d = 128 each block writes DC = d/2
-  // columns (see the kernel) and has four warps: its tiles then take 162 KB at d = 192, 211 KB at d = 256.
+  // FlashAttention-2 on sm_80 (255 registers at d = 128; nvcc 13.0 spills 24-44 bytes). Past d = 128 each
+  // block writes DC = d/2 columns (see the kernel) and has four warps: its tiles then take 162 KB at d = 192,
+  // 211 KB at d = 256.
   // Where a block gets less shared memory (sm_86 and sm_89: 99 KB; an A100 at d = 256: 163 KB), the warps and
   // B_r are halved together, so that each warp keeps its share of dQ_i, until the tiles fit.
   constexpr int B_c = 16 * NW, DC = d <= 128 ? d : d / 2;
