@@ -10,10 +10,17 @@
     python bench.py --plot-from docs/benchmarks/decode.json --markdown docs/benchmarks.md  # its section, no GPU
     python bench.py --window 1024 --seqlens 4096,16384 --d 128 --dtype bf16 --causal on --modes fwd,fwd_bwd \
         --out docs/benchmarks/window --markdown docs/benchmarks-window.md   # a sliding window against full rows
+    python bench.py --dropout 0.1 --seqlens 2048,8192 --modes fwd,fwd_bwd --kernels hopper,sdpa-flash \
+        --out docs/benchmarks/dropout --markdown docs/benchmarks-dropout.md  # attention dropout, in the kernels
+    python bench.py --deterministic --modes bwd,fwd_bwd --kernels ampere,hopper   # dQ without atomics
 
 --window W gives every query the W keys before it (and, unless causal, the W after it): flash_attention's
 window=(W, W), or (W, 0) when causal; SDPA and manual attention get the same mask as an N x N attn_mask, which is
 what they take. TFLOP/s then counts the (query, key) pairs the window keeps.
+
+--dropout P drops each entry of P with probability P in every system: ours in the kernels (checked against the
+reference with the same mask, flash_attention's dropout_seed = 0), SDPA and manual attention with their own
+random masks (so their rows are timed but not checked). --deterministic runs our backward without atomics.
 
 --decode times one query per sequence (decoding a token) against K, V caches of N_k keys, H_q = 32, d = 128,
 forward only: our split-KV kernels, SDPA and manual attention, in GB/s and % of the GPU's memory bandwidth. It
@@ -70,7 +77,7 @@ COLUMNS = [("dtype", "dtype", 5, "{}"), ("d", "d", 3, "{}"), ("causal", "causal"
            ("tflops", "TFLOP/s", 7, "{:.1f}"), ("pct_peak", "%peak", 5, "{:.1f}"), ("speedup", "speedup", 7, "{:.2f}x"),
            ("vs_sdpa", "vs SDPA", 7, "{:.2f}x"), ("memory_mib", "MiB", 7, "{:.0f}"),
            ("memory_saving", "mem saving", 10, "{:.1f}x"), ("max_error", "max err", 7, "{:.0e}")]
-ROW_FIELDS = [field for field, *_ in COLUMNS] + ["note"]  # and "window" in the rows of a --window run
+ROW_FIELDS = [field for field, *_ in COLUMNS] + ["note"]  # and "window", "dropout", "deterministic" if given
 GROUP_FIELDS = ("mode", "dtype", "d", "causal")  # one figure and one markdown table each
 # Decoding: one new token per sequence (N_q = 1) against a K, V cache of N_k keys in H_kv heads; shapes of an 8B
 # model (H_q = 32, d = 128; H_kv = 8 is its grouped-query attention). SDPA is the unit; manual expands K and V.
@@ -151,6 +158,8 @@ def parse_args(argv):
     add("--heads", type=int, help="fixed number of heads (default: 2048 // d)")
     add("--window", type=int, metavar="W", help="a sliding window: each query sees W keys before it and, unless "
         "causal, W after (default: none)")
+    add("--dropout", type=float, default=0.0, metavar="P", help="dropout probability of P (default: none)")
+    add("--deterministic", action="store_true", help="our backward without atomics (deterministic=True)")
     add("--warmup", type=float, default=25.0, help="warm-up per measurement in ms (default: %(default)s)")
     add("--rep", type=float, default=100.0, help="measuring time per measurement in ms (default: %(default)s)")
     add("--out", type=Path, help="folder for results.json (decode.json) and the figures (default: bench_results)")
@@ -182,16 +191,17 @@ def parse_args(argv):
     return args
 
 
-def reference_outputs(q, k, v, do, causal, scale, window=(-1, -1), max_block_elements=2**27):
+def reference_outputs(q, k, v, do, causal, scale, window=(-1, -1), dropout=0.0, max_block_elements=2**27):
     """[O], or [O, dQ, dK, dV] when do is given, in float32 by reference.py's Algorithms 1 and 2: with blocks
-    as large as keep one S_ij under max_block_elements, it is fast and exists where manual attention runs out."""
+    as large as keep one S_ij under max_block_elements, it is fast and exists where manual attention runs out.
+    dropout: with the mask of dropout_seed = 0, as our systems run it."""
     q, k, v = (t.float() for t in (q, k, v))
     block = max(16, 2 ** int(math.log2((max_block_elements / (q.shape[0] * q.shape[1])) ** 0.5)))
-    O, L = reference.flash_forward(q, k, v, causal, scale, B_r=block, B_c=block, window=window)
+    options = dict(window=window, dropout_p=dropout, dropout_seed=0)
+    O, L = reference.flash_forward(q, k, v, causal, scale, B_r=block, B_c=block, **options)
     if do is None:
         return [O]
-    return [O, *reference.flash_backward(q, k, v, O, L, do.float(), causal, scale, B_r=block, B_c=block,
-                                         window=window)]
+    return [O, *reference.flash_backward(q, k, v, O, L, do.float(), causal, scale, B_r=block, B_c=block, **options)]
 
 
 def max_error(results, references):
@@ -208,25 +218,33 @@ def max_error(results, references):
     return torch.stack(errors).max().item()
 
 
-def attention_fn(system, causal, scale, window=(-1, -1)):
-    """f(q, k, v) -> output for one system. A window goes to SDPA as a boolean N x N attn_mask."""
+def attention_fn(system, causal, scale, window=(-1, -1), dropout=0.0, deterministic=False):
+    """f(q, k, v) -> output for one system. A window goes to SDPA as a boolean N x N attn_mask; dropout to manual
+    attention as torch's dropout of P."""
     if system == "manual":
-        return lambda q, k, v: reference.attention(q, k, v, causal, scale, window)
+        def manual(q, k, v):
+            Z = torch.nn.functional.dropout(q.new_ones(*q.shape[:-1], k.shape[2]), dropout) if dropout else None
+            return reference.attention(q, k, v, causal, scale, window, dropout=Z)
+        return manual
     if system in SDPA and window != (-1, -1):
         def sdpa_windowed(q, k, v):
             N = q.shape[2]
             mask = ~reference._hidden(0, N, 0, N, q.device, 0, reference._window(causal, window))
-            return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+            return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale,
+                                                                    dropout_p=dropout)
         return sdpa_windowed
     if system in SDPA:  # enable_gqa: k, v have fewer heads than q (decoding); without it SDPA refuses them
         return lambda q, k, v: torch.nn.functional.scaled_dot_product_attention(
-            q, k, v, is_causal=causal, scale=scale, enable_gqa=k.shape[1] < q.shape[1])
-    return lambda q, k, v: flash_attention(q, k, v, causal=causal, softmax_scale=scale, kernel=system, window=window)
+            q, k, v, is_causal=causal, scale=scale, enable_gqa=k.shape[1] < q.shape[1], dropout_p=dropout)
+    return lambda q, k, v: flash_attention(q, k, v, causal=causal, softmax_scale=scale, kernel=system, window=window,
+                                           dropout_p=dropout, dropout_seed=0 if dropout else None,
+                                           deterministic=deterministic)
 
 
 def measure(system, inputs, refs, mode, causal, scale, tolerance, args, window=(-1, -1)):
     """Check one system against the reference, then measure its peak memory and time: part of a row."""
-    attn, (q, k, v, do), backend = attention_fn(system, causal, scale, window), inputs, SDPA.get(system)
+    attn = attention_fn(system, causal, scale, window, args.dropout, args.deterministic)
+    (q, k, v, do), backend = inputs, SDPA.get(system)
     if mode != "fwd":
         q, k, v = (t.detach().requires_grad_() for t in (q, k, v))
     try:
@@ -236,7 +254,8 @@ def measure(system, inputs, refs, mode, causal, scale, tolerance, args, window=(
                 warnings.simplefilter("ignore")
             o = attn(q, k, v)
             grads = torch.autograd.grad(o, (q, k, v), do, retain_graph=mode == "bwd") if mode != "fwd" else ()
-            error = max_error([o, *grads], refs)
+            own_mask = args.dropout and (system in SDPA or system == "manual")  # a mask of their own
+            error = 0.0 if own_mask else max_error([o, *grads], refs)
             if not error <= tolerance:  # also catches NaN
                 return {"status": "MISMATCH", "max_error": error, "note": f"max error {error:.2e} > {tolerance:.0e}"}
             fn = {"fwd": lambda: attn(q, k, v),  # only the work of the mode: bwd reuses the forward above
@@ -251,7 +270,7 @@ def measure(system, inputs, refs, mode, causal, scale, tolerance, args, window=(
     except Exception as exc:  # a refusing SDPA backend raises RuntimeError
         note = f"{type(exc).__name__}: {str(exc).strip()[:150]}".splitlines()[0]
         return {"status": "unsupported" if backend else "ERROR", "note": note}
-    return {"status": "ok", "ms": ms, "memory_mib": memory / 2**20, "max_error": error}
+    return {"status": "ok", "ms": ms, "memory_mib": memory / 2**20, "max_error": None if own_mask else error}
 
 
 def add_ratios(rows, peak):
@@ -284,7 +303,8 @@ def bench_problem(problem, kernels, args, peak):
     generator = torch.Generator(device="cuda").manual_seed(0)
     shape = (problem["batch"], problem["heads"], problem["seqlen"], d)
     inputs = [torch.randn(shape, dtype=DTYPES[dtype], device="cuda", generator=generator) for _ in range(4)]
-    refs = reference_outputs(*inputs[:3], inputs[3] if args.modes != ["fwd"] else None, causal, scale, window)
+    refs = reference_outputs(*inputs[:3], inputs[3] if args.modes != ["fwd"] else None, causal, scale, window,
+                             args.dropout)
     fits = fitting_kernels(kernels, dtype, d)
     for layout, mode in itertools.product(args.layout, args.modes):
         # The same values in both layouts; transposed holds them as (B, N, H, d) in memory.
@@ -401,6 +421,10 @@ def run_sweep(args, command):
         problem = {"dtype": dtype, "d": d, "causal": causal, "seqlen": seqlen, "batch": batch, "heads": heads}
         if args.window is not None:
             problem["window"] = args.window
+        if args.dropout:
+            problem["dropout"] = args.dropout
+        if args.deterministic:
+            problem["deterministic"] = True
         for row in bench_problem(problem, kernels, args, peak_tflops(metadata["gpu"], dtype)):
             rows.append(row)
             print(table_lines([row])[-1], flush=True)
@@ -434,6 +458,8 @@ def table_lines(rows, columns=COLUMNS):
 
 def group_title(row):
     window = f", window={row['window']}" if row.get("window") is not None else ""
+    window += f", dropout={row['dropout']}" if row.get("dropout") else ""
+    window += ", deterministic" if row.get("deterministic") else ""
     return f"{row['mode']}, {row['dtype']}, d={row['d']}, {'causal' if row['causal'] else 'non-causal'}{window}"
 
 
@@ -577,6 +603,12 @@ def write_markdown(path, metadata, rows, figures, results, render_command):
         lines += ["A window (`--window W`): each query sees the W keys before it (and, unless causal, the W after);",
                   "SDPA and manual attention get it as an N x N attn_mask, and TFLOP/s counts the (query, key) pairs",
                   "it keeps.", ""]
+    if any(row.get("dropout") for row in rows):
+        lines += ["Dropout (`--dropout P`): every system drops each entry of P with probability P; SDPA and manual",
+                  "attention draw their own masks, so their rows are timed but not checked (max error empty).", ""]
+    if any(row.get("deterministic") for row in rows):
+        lines += ["`--deterministic`: our backward computes dQ without atomics (flash_attention(deterministic=True)).",
+                  ""]
     lines += ["| | |", "|---|---|"]
     lines += [f"| {key} | {value} |" for key, value in metadata.items() if key != "command"]
     lines += ["", "Measured with:", "", "```", metadata["command"], "```", ""]

@@ -216,6 +216,57 @@ struct Mask {
   }
 };
 
+// Dropout of P_ij (the first FlashAttention paper's Algorithm 2, line 14, and Algorithm 4, lines 14-18): each
+// entry is kept with probability 1 - p and then scaled by 1 / (1 - p), so that O is unbiased; the backward needs the
+// same keep mask, and regenerates it rather than storing N_q x N_k bits. The mask is a function of the entry
+// alone: a counter-based generator (Philox4x32-10: Salmon et al., "Parallel random numbers: as easy as
+// 1, 2, 3", SC 2011) maps a 128-bit counter and a 64-bit key to 128 random bits, and every kernel, whatever
+// its tiles, asks for the bits of the entries it holds. The key is drawn per call from torch's generator
+// (main.py), so torch.manual_seed reproduces a run. An extension has dropout only if built with -DDROPOUT=1
+// (main.py builds one on first use): the builds without it are unchanged, so that dropout_p = 0 costs nothing.
+#ifndef DROPOUT
+#define DROPOUT 0
+#endif
+// The deterministic backward (-DDETERMINISTIC=1, deterministic=True in main.py, built on first use as dropout
+// is): the backward kernels leave dQ to flash_bwd_dq_fp32 or flash_bwd_dq_ampere, which sum it without atomics.
+// Its own build for the same reason: the other builds keep their registers.
+#ifndef DETERMINISTIC
+#define DETERMINISTIC 0
+#endif
+// Philox4x32-10: ten rounds of two 32 x 32 -> 64-bit multiplies whose halves are mixed with the key (bumped
+// by Weyl constants between rounds) and with the other counter words
+__device__ uint4 philox(uint4 x, uint2 key) {
+  for (int round = 0; round < 10; round++) {
+    if (round > 0) key.x += 0x9E3779B9u, key.y += 0xBB67AE85u;
+    const uint32_t hi0 = __umulhi(0xD2511F53u, x.x), lo0 = 0xD2511F53u * x.x;
+    const uint32_t hi1 = __umulhi(0xCD9E8D57u, x.z), lo1 = 0xCD9E8D57u * x.z;
+    x = make_uint4(hi1 ^ x.y ^ key.x, lo1, hi0 ^ x.w ^ key.y, lo0);
+  }
+  return x;
+}
+// One Philox call gives 8 entries 16 random bits each: rows {r, r + 8} x columns {c, c + 1, c + 8, c + 9} of a
+// 16 x 16 tile (r % 16 < 8, c % 16 < 8 and even), which one lane holds in the m16n8 layout (two 16 x 8 tiles:
+// see section 3) and half of which it holds in the transposed layout of the backward kernels. Counter: (the
+// column group, the row group, query head, sequence); the entry (r, c) keeps the bits at slot(r, c).
+struct Dropout {
+  const int64_t* key;  // the Philox key, on the GPU (drawn there: CUDA graphs and torch.compile replay it)
+  uint32_t threshold;  // an entry whose 16 bits are below it is dropped: p = threshold / 65536
+  float scale;         // 1 / (1 - p): Z_ij, the kept entries' factor
+  __device__ static int slot(int r, int c) { return 4 * (c / 8 % 2) + 2 * (r / 8 % 2) + c % 2; }
+  // bit slot(r', c') set if entry (r', c') of the 8 that share (r, c)'s call is kept
+  __device__ uint32_t keep_bits(int r, int c) const {
+    const uint64_t k = __ldg(reinterpret_cast<const unsigned long long*>(key));
+    const uint4 x = philox(make_uint4(4 * (c / 16) + c % 8 / 2, 8 * (r / 16) + r % 8, blockIdx.y, blockIdx.z),
+                           make_uint2(uint32_t(k), uint32_t(k >> 32)));
+    const uint32_t words[4] = {x.x, x.y, x.z, x.w};
+    uint32_t bits = 0;
+    for (int s = 0; s < 8; s++) bits |= uint32_t((words[s / 2] >> 16 * (s % 2) & 0xFFFF) >= threshold) << s;
+    return bits;
+  }
+  __device__ float Z(uint32_t bits, int slot) const { return bits >> slot & 1 ? scale : 0.f; }  // Z_ij
+  __device__ float Z(int r, int c) const { return Z(keep_bits(r, c), slot(r, c)); }  // one entry alone
+};
+
 // l.8 (and Alg.2 l.10), completed: what S_ij = Q_i K_j^T becomes before the softmax, one named step that
 // every kernel applies to every entry (query r, key c), in the base-2 units of the online softmax:
 //   1. the score   s = scale S_ij, or with a softcap c (Gemma 2): s = c tanh(scale S_ij / c)
@@ -230,6 +281,7 @@ struct Scores {
   const float* slopes;                // ALiBi: slope of (batch b, head h) at slopes[b * slopes_b + h], or nullptr
   int slopes_b;
   int B;                              // sequences: the grid's z (the host's; blocks read blockIdx.z)
+  Dropout dropout;                    // of P_ij, after the softmax (DROPOUT builds only)
   __device__ bool plain() const { return cap_in == 0.f && !slopes; }  // neither: the kernels' fast path
   // this query head's ALiBi slope in base-2 units; 0 without ALiBi
   __device__ float slope(int b, int h) const { return slopes ? slopes[b * slopes_b + h] * LOG2E : 0.f; }
@@ -390,6 +442,8 @@ flash_fwd_fp32(Rows<const float> Q, Rows<const float> K, Rows<const float> V, Ro
         S_ij[m][n] = exp2f(S_ij[m][n] - rowmax);                           // P_ij = exp(S_ij - m_i^(j))
         rowsum += S_ij[m][n];
       }
+      if (DROPOUT)  // after the row sum: l_i sums all of P_ij, the product P_ij V_j takes P_ij o Z_ij
+        for (int n = 0; n < TN; n++) S_ij[m][n] *= sc.dropout.Z(r, j * B_c + tx + 16 * n);
       l_i[m] = alpha * l_i[m] + rowsum;  // this thread's share of l_i; the 16 shares are added at the end
       for (int e = 0; e < TX; e++) O_i[m][e] *= alpha;                     // l.10 (first half)
       m_i[m] = rowmax;
@@ -477,9 +531,11 @@ flash_bwd_fp32(Rows<const float> Q, Rows<const float> K, Rows<const float> V, Ro
     for (int m = 0; m < TM; m++)
       for (int n = 0; n < TN; n++) {
         const int r = row0 + ty * TM + m, c = col0 + tx + 16 * n;
+        // dropout: dV_j takes P_ij o Z_ij, and dS_ij takes dP_ij o Z_ij (the first paper's Algorithm 4)
+        const float Z = DROPOUT ? sc.dropout.Z(r, c) : 1.f;
         float P, dS;  // l.11: P_ij = exp(S_ij - L_i);  l.14: dS_ij = P o (dP - D_i), through Scores' steps
-        sc.probability_and_gradient<true>(S_ij[m][n], r, c, slope, L_i[m], dP_ij[m][n] - D_i[m], P, dS);
-        P_s[(ty * TM + m) * ldS + tx + 16 * n] = r < N_q ? P : 0.f;
+        sc.probability_and_gradient<true>(S_ij[m][n], r, c, slope, L_i[m], dP_ij[m][n] * Z - D_i[m], P, dS);
+        P_s[(ty * TM + m) * ldS + tx + 16 * n] = r < N_q ? P * Z : 0.f;
         dS_s[(ty * TM + m) * ldS + tx + 16 * n] = r < N_q ? dS : 0.f;
       }
     __syncthreads();  // P_ij and dS_ij are complete: the products below read columns of other threads
@@ -498,6 +554,7 @@ flash_bwd_fp32(Rows<const float> Q, Rows<const float> K, Rows<const float> V, Ro
         for (int e = 0; e < TX; e++) dV_j[c][e] += p[c] * dO_r[e], dK_j[c][e] += ds[c] * Q_r[e];
     }
 
+    if (DETERMINISTIC) continue;  // (dQ comes from flash_bwd_dq_fp32)
     float dQ_i[TM][TX] = {};                                               // l.15: dQ_i += dS_ij K_j
     for (int c = 0; c < B_c; c += 4) {
       float4 ds[TM];
@@ -522,6 +579,75 @@ flash_bwd_fp32(Rows<const float> Q, Rows<const float> K, Rows<const float> V, Ro
       dK.at(k)[col<d>(tx, e)] = scale * dK_j[c][e];
       dV.at(k)[col<d>(tx, e)] = dV_j[c][e];
     }
+  }
+}
+
+// ------------------------------------------------------------------------------------------------------
+// fp32 dQ without atomics (deterministic=True): l.15 with the loops the other way round, query blocks
+// outer as in Algorithm 1. Grid (T_r, H_q, B): one block per query block Q_i, looping over the key blocks;
+// each dQ_i is summed by one block in one order, so two runs give the same bits, and written once, in the
+// input's dtype (no fp32 accumulator). It recomputes S_ij and dP_ij, which the dK_j, dV_j kernel (run with
+// dQ = nullptr) computes too: 7 block products instead of 5. Threads as in the forward: (ty, tx) owns rows
+// ty*TM + m and columns tx + 16*n of S_ij, dP_ij and dS_ij, and columns col(tx, e) of dQ_i.
+template <int d, int B_r, int B_c>
+__global__ void __launch_bounds__(128)
+flash_bwd_dq_fp32(Rows<const float> Q, Rows<const float> K, Rows<const float> V, Rows<const float> dO,
+                  const float* __restrict__ L, const float* __restrict__ D, Rows<float> dQ, Scores sc, int group,
+                  float scale) {
+  constexpr int TM = B_r / 8, TN = B_c / 16, TX = d / 16, ld = d + 4, ldS = B_r + 4;
+  extern __shared__ float smem[];
+  float* Q_s = smem;              // Q_i      (B_r, d)   row stride ld
+  float* dO_s = Q_s + B_r * ld;   // dO_i     (B_r, d)   row stride ld
+  float* K_s = dO_s + B_r * ld;   // K_j      (B_c, d)   row stride ld
+  float* V_s = K_s + B_c * ld;    // V_j      (B_c, d)   row stride ld
+  float* dS_s = V_s + B_c * ld;   // dS_ij^T  (B_c, B_r) row stride ldS
+  const int tx = threadIdx.x % 16, ty = threadIdx.x / 16;
+  const Mask mask = sc.mask = sc.mask.sequence();
+  const int i = gridDim.x - 1 - blockIdx.x, row0 = i * B_r, N_q = mask.N_q, N_k = mask.N_k;
+  if (row0 >= N_q) return;  // (a packed batch: past this sequence's queries)
+  Q = Q.head(), K = K.head(group), V = V.head(group), dO = dO.head(), dQ = dQ.head();
+  L += mask.row_index(), D += mask.row_index();
+  const float slope = sc.slope(blockIdx.z, blockIdx.y);
+
+  load_tile<B_r, d, 128>(Q_s, ld, Q, row0, N_q);                           // l.9: load Q_i, dO_i, L_i, D_i
+  load_tile<B_r, d, 128>(dO_s, ld, dO, row0, N_q);
+  float L_i[TM], D_i[TM], dQ_i[TM][TX] = {};
+  for (int m = 0; m < TM; m++) {
+    const int r = row0 + ty * TM + m;
+    L_i[m] = r < N_q ? L[r] * LOG2E : 0.f;
+    D_i[m] = r < N_q ? D[r] : 0.f;
+  }
+  const int2 blocks = mask.key_blocks(row0, B_r, B_c);
+  for (int j = blocks.x; j < blocks.y; j++) {                              // l.5 (inner here; those hidden skipped)
+    __syncthreads();  // every thread is done reading K_s, V_s and dS_s of block j-1
+    load_tile<B_c, d, 128>(K_s, ld, K, j * B_c, N_k);                      // l.6: load K_j, V_j
+    load_tile<B_c, d, 128>(V_s, ld, V, j * B_c, N_k);
+    __syncthreads();  // K_j, V_j (and Q_i, dO_i on the first pass) are in shared memory
+
+    float S_ij[TM][TN] = {}, dP_ij[TM][TN] = {};
+    thread_tile_XYt<TM, TN, d>(S_ij, Q_s, K_s, ld, tx, ty);                // l.10: S_ij = Q_i K_j^T
+    thread_tile_XYt<TM, TN, d>(dP_ij, dO_s, V_s, ld, tx, ty);              // l.13: dP_ij = dO_i V_j^T
+    for (int m = 0; m < TM; m++)
+      for (int n = 0; n < TN; n++) {
+        const int r = row0 + ty * TM + m, c = j * B_c + tx + 16 * n;
+        const float Z = DROPOUT ? sc.dropout.Z(r, c) : 1.f;  // dropout: dS_ij takes dP_ij o Z_ij
+        float P, dS;  // l.11: P_ij = exp(S_ij - L_i);  l.14: dS_ij = P o (dP - D_i), through Scores' steps
+        sc.probability_and_gradient<true>(S_ij[m][n], r, c, slope, L_i[m], dP_ij[m][n] * Z - D_i[m], P, dS);
+        dS_s[(tx + 16 * n) * ldS + ty * TM + m] = dS;
+      }
+    __syncthreads();  // all of dS_ij is written: each thread now reads columns that other threads produced
+
+    for (int c = 0; c < B_c; c++) {                                        // l.15: dQ_i += dS_ij K_j
+      float k[TX];
+      load_cols<d>(k, &K_s[c * ld], tx);
+      for (int m = 0; m < TM; m++)
+        for (int e = 0; e < TX; e++) dQ_i[m][e] += dS_s[c * ldS + ty * TM + m] * k[e];
+    }
+  }
+  for (int m = 0; m < TM; m++) {
+    const int r = row0 + ty * TM + m;
+    if (r < N_q)
+      for (int e = 0; e < TX; e++) dQ.at(r)[col<d>(tx, e)] = scale * dQ_i[m][e];
   }
 }
 
@@ -668,13 +794,16 @@ __device__ void rescale_O(float (&O_i)[d / 8][4], const float (&alpha)[2]) {
 }
 
 // P_ij = exp(S_ij - m_i) for one 16 x 8 accumulator tile s, packed as the two A-fragment registers that
-// hold its rows g and g+8 in P_ij V_j; this lane's share of rowsum(P_ij) is added to l_i (l.9).
+// hold its rows g and g+8 in P_ij V_j; this lane's share of rowsum(P_ij) is added to l_i (l.9). With dropout,
+// P_ij o Z_ij is packed, `keep` holding the tile's 4 bits (Dropout::keep_bits, shifted to the tile).
 template <typename T>
 __device__ void exp_and_pack(uint32_t& row_g, uint32_t& row_g8, const float (&s)[4], const float (&m_i)[2],
-                             float (&l_i)[2]) {
+                             float (&l_i)[2], const Dropout& dropout = {}, uint32_t keep = 0) {
   float p[4];
   for (int e = 0; e < 4; e++) p[e] = exp2_ftz(s[e] - m_i[e / 2]);
   l_i[0] += p[0] + p[1], l_i[1] += p[2] + p[3];
+  if (DROPOUT)
+    for (int e = 0; e < 4; e++) p[e] *= dropout.Z(keep, e);
   row_g = pack<T>(p[0], p[1]), row_g8 = pack<T>(p[2], p[3]);
 }
 
@@ -803,11 +932,17 @@ flash_fwd_volta(Rows<const __half> Q, Rows<const __half> K, Rows<const __half> V
     }
     for (int c = 0; c < d / 16; c++)                                        // l.10 (first half): rescale O_i
       for (int e = 0; e < 8; e++) O_i[c][e] *= alpha[e / 2 % 2];
+#pragma unroll  // (S is indexed by c and e: a loop left rolled would put it in local memory)
     for (int c = 0; c < B_c / 16; c++)                                      // P_ij = exp(S_ij - m_i)
+#pragma unroll
       for (int e = 0; e < 8; e += 2) {
         const int h = e / 2 % 2;
-        const float p0 = exp2f(S[c][e] - m_i[h]), p1 = exp2f(S[c][e + 1] - m_i[h]);
+        float p0 = exp2f(S[c][e] - m_i[h]), p1 = exp2f(S[c][e + 1] - m_i[h]);
         l_i[h] += p0 + p1;  // this lane's share of rowsum(P_ij)
+        if (DROPOUT) {  // P_ij o Z_ij goes into the product (one Philox call per entry: this layout is not m16n8)
+          const int key = j * B_c + 16 * c + 8 * ch + (e & 4) + (lane & 2);
+          p0 *= sc.dropout.Z(r + 2 * h, key), p1 *= sc.dropout.Z(r + 2 * h, key + 1);
+        }
         *reinterpret_cast<__half2*>(&P_s[(r - row0 + 2 * h) * ldP + 16 * c + 8 * ch + (e & 4) + (lane & 2)]) =
             __floats2half2_rn(p0, p1);
       }
@@ -914,8 +1049,9 @@ flash_fwd_turing(Rows<const __half> Q, Rows<const __half> K, Rows<const __half> 
     rescale_O<d>(O_i, alpha);
     for (int kk = 0; kk < B_c / 16; kk++) {                                 // l.10: O_i += P_ij V_j
       uint32_t P_frag[4];  // the S accumulators of tiles 2kk, 2kk+1 are the A fragment of slice kk
-      exp_and_pack<__half>(P_frag[0], P_frag[1], S[2 * kk], m_i, l_i);      // keys 16kk .. 16kk+7
-      exp_and_pack<__half>(P_frag[2], P_frag[3], S[2 * kk + 1], m_i, l_i);  // keys 16kk+8 .. 16kk+15
+      const uint32_t keep = DROPOUT ? sc.dropout.keep_bits(r, j * B_c + 16 * kk + 2 * t) : 0;  // (their 8 entries)
+      exp_and_pack<__half>(P_frag[0], P_frag[1], S[2 * kk], m_i, l_i, sc.dropout, keep);           // keys 16kk ..
+      exp_and_pack<__half>(P_frag[2], P_frag[3], S[2 * kk + 1], m_i, l_i, sc.dropout, keep >> 4);  // 16kk+8 ..
       for (int nt = 0; nt < d / 8; nt += 2) {
         // B fragments of V_j (keys 16kk .. 16kk+15, columns 8nt .. 8nt+15), transposed on the way:
         // lane l points at key 16kk + l%8 + 8*((l/8)%2), column 8nt + 8*(l/16)
@@ -1098,8 +1234,9 @@ flash_fwd_ampere(Rows<const T> Q, Rows<const T> K, Rows<const T> V, Rows<T> O, f
     for (int kk = 0; kk < B_c / 16; kk++) {                                 // l.10: O_i += P_ij V_j
       uint32_t P_frag[M][4];  // the S accumulators of tiles 2kk, 2kk+1 are the A fragment of slice kk
       for (int m = 0; m < M; m++) {
-        exp_and_pack<T>(P_frag[m][0], P_frag[m][1], S[m][2 * kk], m_i[m], l_i[m]);      // keys 16kk .. +7
-        exp_and_pack<T>(P_frag[m][2], P_frag[m][3], S[m][2 * kk + 1], m_i[m], l_i[m]);  // keys 16kk+8 .. +15
+        const uint32_t keep = DROPOUT ? sc.dropout.keep_bits(r + 16 * m, j * B_c + 16 * kk + 2 * t) : 0;
+        exp_and_pack<T>(P_frag[m][0], P_frag[m][1], S[m][2 * kk], m_i[m], l_i[m], sc.dropout, keep);  // keys 16kk..
+        exp_and_pack<T>(P_frag[m][2], P_frag[m][3], S[m][2 * kk + 1], m_i[m], l_i[m], sc.dropout, keep >> 4);  // +8..
       }
       for (int nt = 0; nt < d / 8; nt += 2) {
         uint32_t b[4];  // B fragments of V_j, transposed on the way (addresses as in the Turing kernel)
@@ -1202,22 +1339,33 @@ flash_bwd_ampere(Rows<const T> Q, Rows<const T> K, Rows<const T> V, Rows<const T
       }
     }
     const bool edge = mask.any(row0, B_r, col0, B_c) | (row0 + B_r > N_q);  // any entry to zero?
+    // dropout: the keep bits of queries 8nt + 2t and + 1 with keys c, c + 8 (nt even; nt + 1 shares them). Lanes g
+    // and g ^ 1 hold the other half of both calls' entries: each makes one call, and they swap the bits.
+    uint32_t keep[2];
 #pragma unroll
     for (int nt = 0; nt < B_r / 8; nt++) {
       const float2 L_r = *reinterpret_cast<const float2*>(&L_i[8 * nt + 2 * t]);  // queries 8nt + 2t, + 1
       const float2 D_r = *reinterpret_cast<const float2*>(&D_i[8 * nt + 2 * t]);
+      if (DROPOUT && nt % 2 == 0) {
+        const uint32_t mine = sc.dropout.keep_bits(row0 + 8 * nt + 2 * t + g % 2, col0 + 16 * warp + g);
+        const uint32_t other = __shfl_xor_sync(~0u, mine, 4);
+        keep[0] = g % 2 ? other : mine, keep[1] = g % 2 ? mine : other;
+      }
 #pragma unroll
       for (int e = 0; e < 4; e++) {  // entry (key c, query r) of P^T and dS^T
         const int c = col0 + 16 * warp + g + 8 * (e / 2), r = row0 + 8 * nt + 2 * t + e % 2;
         const float L_r_e = e % 2 ? L_r.y : L_r.x, D_r_e = e % 2 ? D_r.y : D_r.x;
+        // dropout: dV_j takes P_ij o Z_ij, and dS_ij takes dP_ij o Z_ij (the first paper's Algorithm 4)
+        const float dP_Z = DROPOUT ? dP[nt][e] * sc.dropout.Z(keep[e % 2], Dropout::slot(r, c)) : dP[nt][e];
         if (sc.plain()) {
           const bool seen = !edge || ((r < N_q) & !mask.hides(r, c));
           S[nt][e] = seen ? exp2_ftz(S[nt][e] * scale_log2 - L_r_e * LOG2E) : 0.f;  // l.11: P_ij = exp(S_ij - L_i)
-          dP[nt][e] = S[nt][e] * (dP[nt][e] - D_r_e);                             // l.14: dS_ij = P o (dP - D_i)
+          dP[nt][e] = S[nt][e] * (dP_Z - D_r_e);                                  // l.14: dS_ij = P o (dP - D_i)
         } else {  // the same two lines through Scores' steps
-          sc.probability_and_gradient(S[nt][e], r, c, slope, L_r_e * LOG2E, dP[nt][e] - D_r_e, S[nt][e], dP[nt][e]);
+          sc.probability_and_gradient(S[nt][e], r, c, slope, L_r_e * LOG2E, dP_Z - D_r_e, S[nt][e], dP[nt][e]);
           if (r >= N_q) S[nt][e] = dP[nt][e] = 0.f;
         }
+        if (DROPOUT) S[nt][e] *= sc.dropout.Z(keep[e % 2], Dropout::slot(r, c));
       }
     }
 #pragma unroll
@@ -1242,33 +1390,134 @@ flash_bwd_ampere(Rows<const T> Q, Rows<const T> K, Rows<const T> V, Rows<const T
     __syncthreads();  // all of dS_ij^T is in shared memory: dQ_i needs every warp's keys
 
     // l.15: dQ_i += dS_ij K_j. Warp w: queries 16*(w % MT) .. +15, dims n0 + (w / MT) * DC/CW .. + DC/CW.
-    const int m0 = 16 * (warp % MT), c0 = n0 + (warp / MT) * (DC / CW);
-    float dQ_i[DC / CW / 8][4] = {};
+    if (!DETERMINISTIC) {  // (else dQ comes from flash_bwd_dq_ampere)
+      const int m0 = 16 * (warp % MT), c0 = n0 + (warp / MT) * (DC / CW);
+      float dQ_i[DC / CW / 8][4] = {};
 #pragma unroll
-    for (int kk = 0; kk < B_c / 16; kk++) {
-      // A fragment of dS_ij (queries m0.., keys 16kk..) read transposed from dS_ij^T: lane l points at
-      // key 16kk + l%8 + 8*(l/16), query m0 + 8*((l/8)%2)
-      uint32_t a[4];
-      ldmatrix_x4_trans(a, &dS_s[(16 * kk + lane % 8 + 8 * (lane / 16)) * ldS + m0 + 8 * (lane / 8 % 2)]);
+      for (int kk = 0; kk < B_c / 16; kk++) {
+        // A fragment of dS_ij (queries m0.., keys 16kk..) read transposed from dS_ij^T: lane l points at
+        // key 16kk + l%8 + 8*(l/16), query m0 + 8*((l/8)%2)
+        uint32_t a[4];
+        ldmatrix_x4_trans(a, &dS_s[(16 * kk + lane % 8 + 8 * (lane / 16)) * ldS + m0 + 8 * (lane / 8 % 2)]);
 #pragma unroll
-      for (int nt = 0; nt < DC / CW / 8; nt += 2) {  // B fragments of K_j: keys 16kk.., dims c0 + 8nt..
-        uint32_t b[4];
-        ldmatrix_x4_trans(b, &K_s[(16 * kk + lane % 8 + 8 * (lane / 8 % 2)) * ld + c0 + 8 * nt + 8 * (lane / 16)]);
-        mma_m16n8k16<T>(dQ_i[nt], a, b[0], b[1]), mma_m16n8k16<T>(dQ_i[nt + 1], a, b[2], b[3]);
+        for (int nt = 0; nt < DC / CW / 8; nt += 2) {  // B fragments of K_j: keys 16kk.., dims c0 + 8nt..
+          uint32_t b[4];
+          ldmatrix_x4_trans(b, &K_s[(16 * kk + lane % 8 + 8 * (lane / 8 % 2)) * ld + c0 + 8 * nt + 8 * (lane / 16)]);
+          mma_m16n8k16<T>(dQ_i[nt], a, b[0], b[1]), mma_m16n8k16<T>(dQ_i[nt + 1], a, b[2], b[3]);
+        }
       }
-    }
 #pragma unroll
-    for (int h = 0; h < 2; h++) {
-      const int r = row0 + m0 + g + 8 * h;
-      if (r < N_q)
+      for (int h = 0; h < 2; h++) {
+        const int r = row0 + m0 + g + 8 * h;
+        if (r < N_q)
 #pragma unroll
-        for (int nt = 0; nt < DC / CW / 8; nt++)
-          atomic_add_pair(&dQ[(size_t)r * d + c0 + 8 * nt + 2 * t], scale * dQ_i[nt][2 * h], scale * dQ_i[nt][2 * h + 1]);
+          for (int nt = 0; nt < DC / CW / 8; nt++)
+            atomic_add_pair(&dQ[(size_t)r * d + c0 + 8 * nt + 2 * t], scale * dQ_i[nt][2 * h],
+                            scale * dQ_i[nt][2 * h + 1]);
+      }
     }
     __syncthreads();  // every warp is done with Q_s, dO_s stage and dS_s before the next block refills them
   }
   store_rows<T, DC>(dK.cols(n0), dK_j, col0 + 16 * warp + g, t, N_k, scale);  // l.18: write dK_j, dV_j
   store_rows<T, DC>(dV.cols(n0), dV_j, col0 + 16 * warp + g, t, N_k, 1.f);
+}
+
+// ------------------------------------------------------------------------------------------------------
+// dQ without atomics (deterministic=True) on Ampere tensor cores (sm_80+; the hopper backward uses it too):
+// flash_bwd_dq_fp32's loops (query blocks outer; read its introduction) with the Ampere forward's fragments.
+// Grid (T_r, H_q, B); NW warps, each 16 query rows of Q_i, dO_i and dQ_i; K_j, V_j double-buffered by
+// cp.async. Per warp and block j:
+//   S_ij  (16, B_c) = Q_i K_j^T      dP_ij (16, B_c) = dO_i V_j^T      d/16 x B_c/8 mma each
+//   dQ_i  (16, d)  += dS_ij K_j      B_c/16 x d/8 mma, dS_ij from the accumulators (as P_ij in the forward)
+template <typename T, int d, int NW, int B_c>
+__global__ void __launch_bounds__(NW * 32)
+flash_bwd_dq_ampere(Rows<const T> Q, Rows<const T> K, Rows<const T> V, Rows<const T> dO, const float* __restrict__ L,
+                    const float* __restrict__ D, Rows<T> dQ, Scores sc, int group, float scale) {
+  constexpr int B_r = 16 * NW, ld = d + 8;
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  T* Q_s = reinterpret_cast<T*>(smem_raw);  // Q_i           (B_r, d)    row stride ld
+  T* dO_s = Q_s + B_r * ld;                 // dO_i          (B_r, d)    row stride ld
+  T* K_s = dO_s + B_r * ld;                 // K_j, 2 stages (2, B_c, d) row stride ld
+  T* V_s = K_s + 2 * B_c * ld;              // V_j, 2 stages (2, B_c, d) row stride ld
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
+  const Mask mask = sc.mask = sc.mask.sequence();
+  const int i = gridDim.x - 1 - blockIdx.x, row0 = i * B_r, N_q = mask.N_q, N_k = mask.N_k;
+  if (row0 >= N_q) return;  // (a packed batch: past this sequence's queries)
+  Q = Q.head(), K = K.head(group), V = V.head(group), dO = dO.head(), dQ = dQ.head();
+  L += mask.row_index(), D += mask.row_index();
+  const int2 blocks = mask.key_blocks(row0, B_r, B_c);  // (those the mask hides skipped)
+  const float slope = sc.slope(blockIdx.z, blockIdx.y);
+  const int r = row0 + 16 * warp + g;  // this lane's rows: r and r + 8
+  float L_r[2], D_r[2];                // l.9: load L_i, D_i (of those rows), Q_i, dO_i below
+  for (int h = 0; h < 2; h++) {
+    L_r[h] = r + 8 * h < N_q ? L[r + 8 * h] * LOG2E : 0.f;
+    D_r[h] = r + 8 * h < N_q ? D[r + 8 * h] : 0.f;
+  }
+
+  cp_async_tile<B_r, d, NW * 32>(Q_s, Q, row0, N_q);                      // l.9: load Q_i, dO_i
+  cp_async_tile<B_r, d, NW * 32>(dO_s, dO, row0, N_q);
+  cp_async_tile<B_c, d, NW * 32>(K_s, K, blocks.x * B_c, N_k);            // l.6 for the first j
+  cp_async_tile<B_c, d, NW * 32>(V_s, V, blocks.x * B_c, N_k);
+  cp_async_commit();
+  float dQ_i[d / 8][4] = {};
+  for (int j = blocks.x; j < blocks.y; j++) {                               // l.5 (inner here)
+    const int stage = (j - blocks.x) % 2, col0 = j * B_c;
+    const T* K_j = K_s + stage * B_c * ld;
+    const T* V_j = V_s + stage * B_c * ld;
+    if (j + 1 < blocks.y) {  // l.6 for block j+1, into the other stage (freed by the barrier ending j-1)
+      cp_async_tile<B_c, d, NW * 32>(K_s + (1 - stage) * B_c * ld, K, (j + 1) * B_c, N_k);
+      cp_async_tile<B_c, d, NW * 32>(V_s + (1 - stage) * B_c * ld, V, (j + 1) * B_c, N_k);
+    }
+    cp_async_commit();
+    cp_async_wait<1>();  // everything but the newest group has landed: K_j and V_j (and Q_i, dO_i)
+    __syncthreads();     // ... for every thread's copies
+
+    float S[B_c / 8][4] = {}, dP[B_c / 8][4] = {};
+#pragma unroll
+    for (int kk = 0; kk < d / 16; kk++) {
+      uint32_t q[4], o[4];  // A fragments: this warp's 16 rows of Q_i and dO_i, dims 16kk .. 16kk+15
+      ldmatrix_x4(q, &Q_s[(16 * warp + lane % 16) * ld + 16 * kk + 8 * (lane / 16)]);
+      ldmatrix_x4(o, &dO_s[(16 * warp + lane % 16) * ld + 16 * kk + 8 * (lane / 16)]);
+#pragma unroll
+      for (int nt = 0; nt < B_c / 8; nt += 2) {  // B fragments: keys 8nt .. 8nt+15 (as in the forward)
+        uint32_t k[4], v[4];
+        ldmatrix_x4(k, &K_j[(8 * nt + lane % 8 + 8 * (lane / 16)) * ld + 16 * kk + 8 * (lane / 8 % 2)]);
+        ldmatrix_x4(v, &V_j[(8 * nt + lane % 8 + 8 * (lane / 16)) * ld + 16 * kk + 8 * (lane / 8 % 2)]);
+        mma_m16n8k16<T>(S[nt], q, k[0], k[1]), mma_m16n8k16<T>(S[nt + 1], q, k[2], k[3]);     // l.10: S_ij
+        mma_m16n8k16<T>(dP[nt], o, v[0], v[1]), mma_m16n8k16<T>(dP[nt + 1], o, v[2], v[3]);  // l.13: dP_ij
+      }
+    }
+    const bool edge = mask.any(row0, B_r, col0, B_c);  // any entry to zero?
+    uint32_t keep = 0;  // dropout: the keep bits of tiles nt, nt + 1 (nt even)
+#pragma unroll
+    for (int nt = 0; nt < B_c / 8; nt++)
+#pragma unroll
+      for (int e = 0; e < 4; e++) {  // entry (query r_e, key c) of P and dS
+        const int r_e = r + 8 * (e / 2), c = col0 + 8 * nt + 2 * t + e % 2;
+        if (DROPOUT && nt % 2 == 0 && e == 0) keep = sc.dropout.keep_bits(r_e, c);
+        const float dP_Z = DROPOUT ? dP[nt][e] * sc.dropout.Z(keep, Dropout::slot(r_e, c)) : dP[nt][e];
+        if (sc.plain()) {
+          const bool seen = !edge || !mask.hides(r_e, c);
+          S[nt][e] = seen ? exp2_ftz(S[nt][e] * sc.scale_log2 - L_r[e / 2]) : 0.f;  // l.11: P_ij = exp(S_ij - L_i)
+          dP[nt][e] = S[nt][e] * (dP_Z - D_r[e / 2]);                             // l.14: dS_ij = P o (dP - D_i)
+        } else {  // the same two lines through Scores' steps
+          sc.probability_and_gradient(S[nt][e], r_e, c, slope, L_r[e / 2], dP_Z - D_r[e / 2], S[nt][e], dP[nt][e]);
+        }
+      }
+#pragma unroll
+    for (int kk = 0; kk < B_c / 16; kk++) {                                 // l.15: dQ_i += dS_ij K_j
+      uint32_t dS_frag[4];  // the dS accumulators of tiles 2kk, 2kk+1 are the A fragment of slice kk
+      A_fragment<T, B_c>(dS_frag, dP, kk);
+#pragma unroll
+      for (int nt = 0; nt < d / 8; nt += 2) {  // B fragments of K_j, transposed on the way (as V_j in the forward)
+        uint32_t b[4];
+        ldmatrix_x4_trans(b, &K_j[(16 * kk + lane % 8 + 8 * (lane / 8 % 2)) * ld + 8 * nt + 8 * (lane / 16)]);
+        mma_m16n8k16<T>(dQ_i[nt], dS_frag, b[0], b[1]), mma_m16n8k16<T>(dQ_i[nt + 1], dS_frag, b[2], b[3]);
+      }
+    }
+    __syncthreads();  // every warp is done with stage j % 2 before iteration j+1 refills it
+  }
+  store_rows<T, d>(dQ, dQ_i, r, t, N_q, scale);  // dQ_i, once
 }
 
 // ------------------------------------------------------------------------------------------------------
@@ -1742,6 +1991,14 @@ flash_fwd_hopper(const __grid_constant__ CUtensorMap Q_map, const __grid_constan
       update_row_max<B_c>(S, m_i, l_i, alpha);
       for (int nt = 0; nt < B_c / 8; nt++)
         for (int e = 0; e < 4; e++) S[nt][e] = exp2_ftz(S[nt][e] - m_i[e / 2]), l_i[e / 2] += S[nt][e];
+      // dropout: P_ij o Z_ij goes into the product (l_i sums all of P_ij), 8 entries per Philox call. (Drawn
+      // here rather than while the tensor cores compute S_ij: that made the forward slower at d = 64.)
+      if (DROPOUT)
+#pragma unroll
+        for (int kk = 0; kk < B_c / 16; kk++) {
+          const uint32_t keep = sc.dropout.keep_bits(r, j * B_c + 16 * kk + 2 * t);
+          for (int e = 0; e < 8; e++) S[2 * kk + e / 4][e % 4] *= sc.dropout.Z(keep, e);
+        }
     };
     // O_i += P_ij V_j (l.10) for j's stage s: B_c/16 wgmma, keys 16kk..16kk+15 (16 rows of V_j, 2048 bytes)
     // in slice kk. Only issued; afterwards this warp releases stage s once wgmma_wait has collected O_i.
@@ -1994,6 +2251,19 @@ flash_bwd_hopper(const __grid_constant__ CUtensorMap Q_map, const __grid_constan
       const float* L_i = reinterpret_cast<const float*>(__cvta_shared_to_generic(LD_s(stage(i)))) + q0;
       const float* D_i = L_i + B_r;
       auto q = [&](int nt, int e) { return 8 * nt + 2 * t + e % 2; };  // the query, from row0
+      // dropout: dS_ij takes dP_ij o Z_ij, and dV_j takes P_ij o Z_ij (the first paper's Algorithm 4). keep[n]:
+      // the bits of queries q(2n, 0) and q(2n, 1) with keys c and c + 8 (and of 2n + 1, which share them), drawn
+      // while the tensor cores compute S^T and dP^T. Lanes g and g ^ 1 hold the other half of both calls'
+      // entries: each makes one call, and they swap the bits.
+      uint32_t keep[NQ / 16][2];
+      if (DROPOUT)
+        for (int n = 0; n < NQ / 16; n++) {
+          const uint32_t mine = sc.dropout.keep_bits(row0 + q(2 * n, g % 2), c), other = __shfl_xor_sync(~0u, mine, 4);
+          keep[n][0] = g % 2 ? other : mine, keep[n][1] = g % 2 ? mine : other;
+        }
+      auto Z = [&](int nt, int e) {
+        return sc.dropout.Z(keep[nt / 2][e % 2], Dropout::slot(row0 + q(nt, e), c + 8 * (e / 2)));
+      };
       wgmma_wait<2>(S);
       if (sc.plain()) {
         for (int nt = 0; nt < NQ / 8; nt++)
@@ -2007,8 +2277,11 @@ flash_bwd_hopper(const __grid_constant__ CUtensorMap Q_map, const __grid_constan
         }
       }
       wgmma_wait<1>(dP);
+#pragma unroll  // (S and dP are indexed by nt and e: a loop left rolled would put them in local memory)
       for (int nt = 0; nt < NQ / 8; nt++)
-        for (int e = 0; e < 4; e++)
+#pragma unroll
+        for (int e = 0; e < 4; e++) {
+          if (DROPOUT) dP[nt][e] *= Z(nt, e);
           if (sc.plain()) {
             dP[nt][e] = S[nt][e] * (dP[nt][e] - D_i[q(nt, e)]);
           } else {
@@ -2017,6 +2290,8 @@ flash_bwd_hopper(const __grid_constant__ CUtensorMap Q_map, const __grid_constan
                                         S[nt][e], dP[nt][e]);
             if (r >= N_q) S[nt][e] = dP[nt][e] = 0.f;
           }
+          if (DROPOUT) S[nt][e] *= Z(nt, e);
+        }
     };
     // P_ij^T and dS_ij^T into buffer i % 2 (last read by block i-2's products, done on both consumers), then
     // dQ_i's piece once they are there
@@ -2026,7 +2301,7 @@ flash_bwd_hopper(const __grid_constant__ CUtensorMap Q_map, const __grid_constan
       asm volatile("fence.proxy.async.shared::cta;" ::: "memory");  // the stores are visible to wgmma
       asm volatile("bar.sync 1, 256;" ::: "memory");  // both consumers have stored dS_ij^T
       wgmma_fence();
-      dQ_piece(i);
+      if (!DETERMINISTIC) dQ_piece(i);  // (else dQ comes from flash_bwd_dq_ampere)
     };
 
     // Nothing is in flight across the loop's back edge, so that the compiler can keep the accumulators in
@@ -2163,9 +2438,12 @@ dim3 grid(int blocks, const at::Tensor& Q, const Scores& sc) { return dim3(block
 // window_right: -1 for no bound (causal is window_right = 0); softcap: 0 for none; alibi_slopes: fp32 (H_q)
 // or (B, H_q), contiguous (main.py checks). A packed batch (Q (1, H_q, total_q, d), K (1, H_kv, total_k, d))
 // has its sequence starts cu_q, cu_k (int32 (B + 1)) and its longest sequences' lengths max_q, max_k.
+// dropout_p > 0 (DROPOUT builds only): the Philox key, int64 (1,) on the GPU; p is rounded to a multiple of 2^-16,
+// and kept entries are scaled by 1 / (1 - that p), so that Z_ij averages exactly 1.
 Scores scores(const at::Tensor& Q, const at::Tensor& K, int64_t window_left, int64_t window_right, double scale,
               double softcap, const std::optional<at::Tensor>& alibi_slopes, const std::optional<at::Tensor>& cu_q,
-              const std::optional<at::Tensor>& cu_k, int64_t max_q, int64_t max_k) {
+              const std::optional<at::Tensor>& cu_k, int64_t max_q, int64_t max_k, double dropout_p,
+              const std::optional<at::Tensor>& dropout_key) {
   const auto side = [](int64_t w) { return w < 0 ? Mask::UNBOUNDED : int(std::min<int64_t>(w, Mask::UNBOUNDED)); };
   const bool alibi = alibi_slopes.has_value(), packed = cu_q.has_value();
   TORCH_CHECK(packed == PACKED && cu_k.has_value() == PACKED, "this extension (PACKED = ", PACKED, ") takes ",
@@ -2173,9 +2451,14 @@ Scores scores(const at::Tensor& Q, const at::Tensor& K, int64_t window_left, int
   const Mask mask{packed ? int(max_q) : int(Q.size(2)), packed ? int(max_k) : int(K.size(2)), side(window_left),
                   side(window_right), packed ? cu_q->data_ptr<int>() : nullptr,
                   packed ? cu_k->data_ptr<int>() : nullptr};
+  TORCH_CHECK((dropout_p > 0) == DROPOUT && dropout_key.has_value() == DROPOUT, "this extension (DROPOUT = ",
+              DROPOUT, ") takes ", DROPOUT ? "dropout_p > 0 and its key" : "no dropout");
+  const uint32_t threshold = std::min<uint32_t>(uint32_t(std::lround(dropout_p * 65536)), 65535);
+  const Dropout dropout{DROPOUT ? dropout_key->data_ptr<int64_t>() : nullptr, threshold,
+                        float(65536.0 / (65536 - threshold))};
   return {mask, float(scale * LOG2E), softcap > 0 ? float(scale / softcap) : 0.f, float(softcap * LOG2E),
           alibi ? alibi_slopes->data_ptr<float>() : nullptr, alibi && alibi_slopes->dim() == 2 ? int(Q.size(1)) : 0,
-          packed ? int(cu_q->size(0) - 1) : int(Q.size(0))};
+          packed ? int(cu_q->size(0) - 1) : int(Q.size(0)), dropout};
 }
 int group(const at::Tensor& Q, const at::Tensor& K) { return Q.size(1) / K.size(1); }
 
@@ -2245,10 +2528,26 @@ void bwd_fp32(const at::Tensor& Q, const at::Tensor& K, const at::Tensor& V, con
          rows<const float>(dO, cu_q), ptr<float>(L), ptr<float>(D), ptr<float>(dQ), rows<float>(dK, cu_k),
          rows<float>(dV, cu_k), sc, group(Q, K), scale);
 }
+// dQ without atomics: the forward's tiles, with dO_i beside Q_i, V_j beside K_j and dS_ij^T (B_r halved
+// where they do not fit, down to 16 rows)
+template <int d, int B_r = (d <= 128 ? 64 : 32)>
+void bwd_dq_fp32(const at::Tensor& Q, const at::Tensor& K, const at::Tensor& V, const at::Tensor& dO,
+                 const at::Tensor& L, const at::Tensor& D, at::Tensor& dQ, const Scores& sc, float scale,
+                 cudaStream_t stream) {
+  constexpr int B_c = d <= 64 ? 64 : 32;
+  const int N_q = sc.mask.N_q, *cu_q = sc.mask.cu_q, *cu_k = sc.mask.cu_k;
+  const size_t smem = sizeof(float) * (2 * (B_r + B_c) * (d + 4) + B_c * (B_r + 4));
+  if constexpr (B_r > 16)
+    if (smem > max_smem_per_block()) return bwd_dq_fp32<d, B_r / 2>(Q, K, V, dO, L, D, dQ, sc, scale, stream);
+  launch(flash_bwd_dq_fp32<d, B_r, B_c>, grid((N_q + B_r - 1) / B_r, Q, sc), 128, smem, stream,
+         rows<const float>(Q, cu_q), rows<const float>(K, cu_k), rows<const float>(V, cu_k),
+         rows<const float>(dO, cu_q), ptr<float>(L), ptr<float>(D), rows<float>(dQ, cu_q), sc, group(Q, K), scale);
+}
 #define KERNEL "fp32"
 #define HAS_BACKWARD
 template <typename T, int d> constexpr auto fwd = fwd_fp32<d>;
 template <typename T, int d> constexpr auto bwd = bwd_fp32<d>;
+template <typename T, int d> constexpr auto bwd_dq = bwd_dq_fp32<d>;
 
 #elif defined(BUILD_volta)
 template <int d>
@@ -2390,6 +2689,28 @@ template <typename T, int d> constexpr auto fwd = fwd_hopper<T, d>;
 template <typename T, int d> constexpr auto bwd = bwd_hopper<T, d>;
 #endif
 
+#if defined(BUILD_ampere) || defined(BUILD_hopper)
+// dQ without atomics, for the ampere and hopper backward: four warps (B_r = 64) and B_c = 64 keys up to d = 128,
+// 32 past it (dQ_i takes d/2 registers per thread, S_ij and dP_ij B_c/2); where the tiles do not fit, B_c is
+// halved, then the warps.
+template <typename T, int d, int NW = 4, int B_c = d <= 128 ? 64 : 32>
+void bwd_dq_ampere(const at::Tensor& Q, const at::Tensor& K, const at::Tensor& V, const at::Tensor& dO,
+                   const at::Tensor& L, const at::Tensor& D, at::Tensor& dQ, const Scores& sc, float scale,
+                   cudaStream_t stream) {
+  constexpr int B_r = 16 * NW;
+  const int N_q = sc.mask.N_q, *cu_q = sc.mask.cu_q, *cu_k = sc.mask.cu_k;
+  const size_t smem = sizeof(T) * (2 * B_r + 4 * B_c) * (d + 8);
+  if constexpr (B_c > 16)
+    if (smem > max_smem_per_block()) return bwd_dq_ampere<T, d, NW, B_c / 2>(Q, K, V, dO, L, D, dQ, sc, scale, stream);
+  if constexpr (B_c == 16 && NW > 1)
+    if (smem > max_smem_per_block()) return bwd_dq_ampere<T, d, NW / 2, B_c>(Q, K, V, dO, L, D, dQ, sc, scale, stream);
+  launch(flash_bwd_dq_ampere<T, d, NW, B_c>, grid((N_q + B_r - 1) / B_r, Q, sc), NW * 32, smem, stream,
+         rows<const T>(Q, cu_q), rows<const T>(K, cu_k), rows<const T>(V, cu_k), rows<const T>(dO, cu_q),
+         ptr<float>(L), ptr<float>(D), rows<T>(dQ, cu_q), sc, group(Q, K), scale);
+}
+template <typename T, int d> constexpr auto bwd_dq = bwd_dq_ampere<T, d>;
+#endif
+
 // Decoding, for the kernels with split_kv in KERNELS: flash_decode (ampere) or flash_decode_hopper on every
 // query tile and split, then flash_merge_splits if there is more than one split. Declared for all kernels:
 // forward() names it.
@@ -2509,19 +2830,22 @@ void with_type_and_head_dim(const at::Tensor& Q, F f) {
 // Q (B, H_q, N_q, d), K and V (B, H_kv, N_k, d). O (B, H_q, N_q, d) in Q's layout where that layout is
 // dense (a transposed view, say), else contiguous; L (B, H_q, N_q) fp32. Kernels with split_kv decode
 // (flash_decode) when N_q <= SPLIT_KV_MAX_QUERIES, and only they take seqlens_k (int32 (B): each sequence's
-// number of keys, at most N_k). A packed batch (cu_q, cu_k, max_q, max_k: see scores()) never decodes.
+// number of keys, at most N_k). A packed batch (cu_q, cu_k, max_q, max_k: see scores()) never decodes, nor does
+// a forward with dropout (training).
 std::vector<at::Tensor> forward(const at::Tensor& Q, const at::Tensor& K, const at::Tensor& V, int64_t window_left,
                                 int64_t window_right, double scale, double softcap,
                                 const std::optional<at::Tensor>& alibi_slopes,
                                 const std::optional<at::Tensor>& seqlens_k, const std::optional<at::Tensor>& cu_q,
-                                const std::optional<at::Tensor>& cu_k, int64_t max_q, int64_t max_k, int64_t stream) {
+                                const std::optional<at::Tensor>& cu_k, int64_t max_q, int64_t max_k, double dropout_p,
+                                const std::optional<at::Tensor>& dropout_key, int64_t stream) {
   auto O = at::empty_like(Q);
   auto L = at::empty({Q.size(0), Q.size(1), Q.size(2)}, Q.options().dtype(at::kFloat));
   const auto s = reinterpret_cast<cudaStream_t>(stream);
   const int* lengths = seqlens_k ? seqlens_k->data_ptr<int>() : nullptr;
-  const Scores sc = scores(Q, K, window_left, window_right, scale, softcap, alibi_slopes, cu_q, cu_k, max_q, max_k);
+  const Scores sc = scores(Q, K, window_left, window_right, scale, softcap, alibi_slopes, cu_q, cu_k, max_q, max_k,
+                           dropout_p, dropout_key);
   with_type_and_head_dim(Q, [&]<typename T, int d>() {
-    if constexpr (SPEC.split_kv)
+    if constexpr (SPEC.split_kv && !DROPOUT)
       if (Q.size(2) <= SPLIT_KV_MAX_QUERIES && !cu_q) return decode<T, d>(Q, K, V, O, L, lengths, sc, s);
     TORCH_CHECK(!lengths, "kernel '", KERNEL, "' takes seqlens_k only for decoding (N_q <= ", SPLIT_KV_MAX_QUERIES,
                 ") on the kernels with split-KV");
@@ -2531,18 +2855,20 @@ std::vector<at::Tensor> forward(const at::Tensor& Q, const at::Tensor& K, const 
 }
 
 #ifdef HAS_BACKWARD
-// dQ (B, H_q, N_q, d) fp32, contiguous: atomics add into it, and main.py converts it to Q's dtype. dK, dV in
-// K's and V's layouts where dense, else contiguous; with grouped-query attention (H_kv < H_q) they are per
-// query head, (B, H_q, N_k, d), and main.py sums each group's.
-// dL: the gradient of L, if L was used: dS_ij = P_ij o (dP_ij - (D_i - dL_i)), so it joins D (main.py).
+// dQ (B, H_q, N_q, d) fp32, contiguous: atomics add into it, and main.py converts it to Q's dtype (in a
+// DETERMINISTIC build: in Q's dtype, from bwd_dq, with no atomics and no fp32 copy). dK, dV in K's and V's
+// layouts where dense, else contiguous; with grouped-query attention (H_kv < H_q) they are per query head,
+// (B, H_q, N_k, d), and main.py sums each group's. dL: the gradient of L, if L was used: dS_ij = P_ij o (dP_ij -
+// (D_i - dL_i)), so it joins D (main.py). dropout_p, dropout_key: the forward's.
 std::vector<at::Tensor> backward(const at::Tensor& Q, const at::Tensor& K, const at::Tensor& V, const at::Tensor& O,
                                  const at::Tensor& L, const at::Tensor& dO, const std::optional<at::Tensor>& dL,
                                  int64_t window_left, int64_t window_right, double scale, double softcap,
                                  const std::optional<at::Tensor>& alibi_slopes, const std::optional<at::Tensor>& cu_q,
-                                 const std::optional<at::Tensor>& cu_k, int64_t max_q, int64_t max_k, int64_t stream) {
+                                 const std::optional<at::Tensor>& cu_k, int64_t max_q, int64_t max_k, double dropout_p,
+                                 const std::optional<at::Tensor>& dropout_key, int64_t stream) {
   const auto s = reinterpret_cast<cudaStream_t>(stream);
   auto D = at::empty_like(L);
-  auto dQ = at::zeros(Q.sizes(), Q.options().dtype(at::kFloat));
+  auto dQ = DETERMINISTIC ? at::empty_like(Q) : at::zeros(Q.sizes(), Q.options().dtype(at::kFloat));
   const bool grouped = Q.size(1) != K.size(1);
   const auto per_query_head = [&](const at::Tensor& X) {
     return grouped ? at::empty({X.size(0), Q.size(1), X.size(2), X.size(3)}, X.options()) : at::empty_like(X);
@@ -2551,8 +2877,10 @@ std::vector<at::Tensor> backward(const at::Tensor& Q, const at::Tensor& K, const
   with_type_and_head_dim(Q, [&]<typename T, int d>() {
     launch_preprocess<T>(O, dO, D, s);  // (a packed batch: as one sequence of total_q rows)
     if (dL) D.sub_(*dL);
-    bwd<T, d>(Q, K, V, dO, L, D, dQ, dK, dV,
-             scores(Q, K, window_left, window_right, scale, softcap, alibi_slopes, cu_q, cu_k, max_q, max_k), scale, s);
+    const Scores sc = scores(Q, K, window_left, window_right, scale, softcap, alibi_slopes, cu_q, cu_k, max_q, max_k,
+                             dropout_p, dropout_key);
+    bwd<T, d>(Q, K, V, dO, L, D, dQ, dK, dV, sc, scale, s);  // (deterministic: dK, dV only, then dQ)
+    if constexpr (DETERMINISTIC) bwd_dq<T, d>(Q, K, V, dO, L, D, dQ, sc, scale, s);
   });
   return {dQ, dK, dV};
 }
@@ -2561,10 +2889,10 @@ std::vector<at::Tensor> backward(const at::Tensor& Q, const at::Tensor& K, const
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("forward", &forward,
         "O, L = forward(Q, K, V, window_left, window_right, scale, softcap, alibi_slopes, seqlens_k, cu_q, cu_k, "
-        "max_q, max_k, stream)");
+        "max_q, max_k, dropout_p, dropout_key, stream)");
 #ifdef HAS_BACKWARD  // (volta and turing: their gradients come from the fp32 kernel, on upcast inputs)
   m.def("backward", &backward, "dQ, dK, dV = backward(Q, K, V, O, L, dO, dL, window_left, window_right, scale, "
-        "softcap, alibi_slopes, cu_q, cu_k, max_q, max_k, stream)");
+        "softcap, alibi_slopes, cu_q, cu_k, max_q, max_k, dropout_p, dropout_key, stream)");
 #endif
 }
 #endif  // KERNEL

@@ -135,12 +135,15 @@ def _builds_sm90a():
     return "9.0a" in _arch_list()
 
 
-def load(kernel, d=64, packed=False):
+def load(kernel, d=64, packed=False, dropout=False, deterministic=False):
     """The extension of one kernel of flash.cu at tile width d (its forward and, if it has one, backward),
     compiled for the GPU present (or TORCH_CUDA_ARCH_LIST) on first use; later calls, and later processes,
-    reuse the build. packed: the build for packed batches (flash_attention_varlen; -DPACKED=1)."""
-    if (kernel, d, packed) in _extensions:
-        return _extensions[kernel, d, packed]
+    reuse the build. packed: the build for packed batches (flash_attention_varlen; -DPACKED=1). dropout: the
+    build with dropout (-DDROPOUT=1; the others are left as they were, so that dropout_p = 0 costs nothing).
+    deterministic: the build whose backward computes dQ without atomics (-DDETERMINISTIC=1)."""
+    key = kernel, d, packed, dropout, deterministic
+    if key in _extensions:
+        return _extensions[key]
     gencode, tags = [], []
     for arch in _arch_list():  # "8.6", "9.0a", "8.0+PTX"
         number = arch.replace("+PTX", "").replace(".", "")
@@ -148,7 +151,9 @@ def load(kernel, d=64, packed=False):
         if arch.endswith("+PTX"):
             gencode.append(f"-gencode=arch=compute_{number},code=compute_{number}")
         tags.append(number + ("ptx" if arch.endswith("+PTX") else ""))
-    name = f"flash_{kernel}{'_packed' if packed else ''}_d{d}_sm{'_'.join(tags)}"
+    variant = "".join(f"_{v}" for v, on in (("packed", packed), ("dropout", dropout), ("deterministic", deterministic))
+                      if on)
+    name = f"flash_{kernel}{variant}_d{d}_sm{'_'.join(tags)}"
     build_dir = os.path.join(ROOT, "build", name)
     library = os.path.join(build_dir, name + ".so")
     if os.path.exists(library) and os.path.getmtime(library) > max(os.path.getmtime(os.path.join(ROOT, f))
@@ -156,19 +161,20 @@ def load(kernel, d=64, packed=False):
         # built after the last edit of its sources: import it as it is (torch's loader would first start
         # ninja to check that, which costs seconds)
         spec = importlib.util.spec_from_file_location(name, library)
-        _extensions[kernel, d, packed] = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(_extensions[kernel, d, packed])
-        return _extensions[kernel, d, packed]
+        _extensions[key] = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(_extensions[key])
+        return _extensions[key]
     from torch.utils.cpp_extension import load as load_extension
     os.makedirs(build_dir, exist_ok=True)
-    print(f"Building the {kernel} kernel, d = {d}{', packed batches' if packed else ''}, for sm_{', sm_'.join(tags)} "
+    print(f"Building the {kernel} kernel, d = {d}{variant.replace('_', ', ')}, for sm_{', sm_'.join(tags)} "
           "(first use only)...", file=sys.stderr, flush=True)
-    _extensions[kernel, d, packed] = load_extension(
+    _extensions[key] = load_extension(
         name=name, sources=[os.path.join(ROOT, "flash.cu")], build_directory=build_dir,
         extra_cuda_cflags=["-O3", "-std=c++20", "-lineinfo", "-diag-suppress=3189,20013,20015",
                            "--split-compile=0",  # optimise the kernels of one file on all cores
-                           f"-DBUILD_{kernel}", f"-DHEAD_DIM={d}", f"-DPACKED={int(packed)}", *gencode])
-    return _extensions[kernel, d, packed]
+                           f"-DBUILD_{kernel}", f"-DHEAD_DIM={d}", f"-DPACKED={int(packed)}",
+                           f"-DDROPOUT={int(dropout)}", f"-DDETERMINISTIC={int(deterministic)}", *gencode])
+    return _extensions[key]
 
 
 def build(kernels, head_dims=(64,), packed_head_dims=()):
@@ -203,19 +209,22 @@ def _padded(t, D):
     return t if t.shape[-1] == D else torch.nn.functional.pad(t, (0, D - t.shape[-1]))
 
 
-def _run_forward(q, k, v, window, scale, softcap, alibi_slopes, kernel, seqlens_k=None, packed=None):
+def _run_forward(q, k, v, window, scale, softcap, alibi_slopes, kernel, seqlens_k=None, packed=None, dropout_p=0.0,
+                 dropout_key=None):
     """O (B, H_q, N_q, d) and L (B, H_q, N_q), the row log-sum-exp in natural log, float32. window: (left, right),
     -1 for no bound (causal: right = 0). seqlens_k (int32, (B,)): each sequence's number of keys, for the
     split-KV kernels only (flash_attention_with_kvcache). packed: (cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
-    max_seqlen_k) of a packed batch, whose q, k, v are (1, H, total, d) views (flash_attention_varlen)."""
+    max_seqlen_k) of a packed batch, whose q, k, v are (1, H, total, d) views (flash_attention_varlen).
+    dropout_p > 0: dropout of P with the Philox key dropout_key (int64 (1,) on q's device)."""
     kernel = pick_kernel(DTYPES[q.dtype], q.shape[-1], _arch(q.device), kernel, _builds_sm90a())
     if q.numel() == 0 or k.shape[2] == 0:  # (no keys: every row sees none, so O = 0 and L = -inf)
         return torch.zeros_like(q), q.new_full(q.shape[:-1], -math.inf, dtype=torch.float32)
     d, D = q.shape[-1], tile_dim(kernel, q.shape[-1])
     q_, k_, v_ = (_readable(_padded(t, D)) for t in (q, k, v))
     with torch.cuda.device(q.device):
-        o, L = load(kernel, D, packed is not None).forward(q_, k_, v_, *window, scale, softcap, alibi_slopes,
-                                                           seqlens_k, *(packed or (None, None, 0, 0)), _stream(q))
+        o, L = load(kernel, D, packed is not None, dropout_p > 0).forward(
+            q_, k_, v_, *window, scale, softcap, alibi_slopes, seqlens_k, *(packed or (None, None, 0, 0)),
+            dropout_p, dropout_key if dropout_p > 0 else None, _stream(q))
     if D != d:  # the first d columns, in q's layout as the op's fake implementation says
         o = torch.empty_like(q).copy_(o[..., :d])
     return o, L
@@ -223,32 +232,43 @@ def _run_forward(q, k, v, window, scale, softcap, alibi_slopes, kernel, seqlens_
 
 @torch.library.custom_op("flash::forward", mutates_args=())
 def _forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window_left: int, window_right: int, scale: float,
-             softcap: float, alibi_slopes: Optional[torch.Tensor], kernel: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """_run_forward as an op: what torch.compile traces and autograd differentiates."""
-    return _run_forward(q, k, v, (window_left, window_right), scale, softcap, alibi_slopes, kernel)
+             softcap: float, alibi_slopes: Optional[torch.Tensor], kernel: str, dropout_p: float = 0.0,
+             dropout_key: Optional[torch.Tensor] = None,
+             deterministic: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """_run_forward as an op: what torch.compile traces and autograd differentiates. deterministic is for the
+    backward (autograd hands it the forward's arguments)."""
+    return _run_forward(q, k, v, (window_left, window_right), scale, softcap, alibi_slopes, kernel,
+                        dropout_p=dropout_p, dropout_key=dropout_key)
 
 
 @_forward.register_fake
-def _(q, k, v, window_left, window_right, scale, softcap, alibi_slopes, kernel):
+def _(q, k, v, window_left, window_right, scale, softcap, alibi_slopes, kernel, dropout_p=0.0, dropout_key=None,
+      deterministic=False):
     return torch.empty_like(q), q.new_empty(q.shape[:-1], dtype=torch.float32)
 
 
 @torch.library.custom_op("flash::backward", mutates_args=())
 def _backward(do: torch.Tensor, dL: Optional[torch.Tensor], q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
               o: torch.Tensor, L: torch.Tensor, window_left: int, window_right: int, scale: float, softcap: float,
-              alibi_slopes: Optional[torch.Tensor], kernel: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+              alibi_slopes: Optional[torch.Tensor], kernel: str, dropout_p: float = 0.0,
+              dropout_key: Optional[torch.Tensor] = None,
+              deterministic: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """dQ, dK, dV for the loss sum(O * dO) + sum(L * dL) (dL may be None). A gradient through L changes only
-    D_i: dL_i/dS_ij = P_ij, so dS_ij = P_ij o (dP_ij - D_i + dL_i), the kernels' own step with D_i - dL_i."""
-    return _run_backward(do, dL, q, k, v, o, L, window_left, window_right, scale, softcap, alibi_slopes, kernel)
+    D_i: dL_i/dS_ij = P_ij, so dS_ij = P_ij o (dP_ij - D_i + dL_i), the kernels' own step with D_i - dL_i.
+    dropout_p, dropout_key: the forward's. deterministic: dQ without atomics (bit-identical runs)."""
+    return _run_backward(do, dL, q, k, v, o, L, window_left, window_right, scale, softcap, alibi_slopes, kernel,
+                         dropout_p=dropout_p, dropout_key=dropout_key, deterministic=deterministic)
 
 
 @_backward.register_fake
-def _(do, dL, q, k, v, o, L, window_left, window_right, scale, softcap, alibi_slopes, kernel):
+def _(do, dL, q, k, v, o, L, window_left, window_right, scale, softcap, alibi_slopes, kernel, dropout_p=0.0,
+      dropout_key=None, deterministic=False):
     return q.new_empty(q.shape), torch.empty_like(k), torch.empty_like(v)
 
 
-def _run_backward(do, dL, q, k, v, o, L, window_left, window_right, scale, softcap, alibi_slopes, kernel, packed=None):
-    """_backward's work; packed: as in _run_forward."""
+def _run_backward(do, dL, q, k, v, o, L, window_left, window_right, scale, softcap, alibi_slopes, kernel, packed=None,
+                  dropout_p=0.0, dropout_key=None, deterministic=False):
+    """_backward's work; packed, dropout_p, dropout_key: as in _run_forward."""
     kernel = pick_kernel(DTYPES[q.dtype], q.shape[-1], _arch(q.device), kernel, _builds_sm90a())
     if q.numel() == 0 or k.numel() == 0:
         return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
@@ -259,9 +279,9 @@ def _run_backward(do, dL, q, k, v, o, L, window_left, window_right, scale, softc
         tensors = [t.float() for t in tensors]  # the fallback: the fp32 backward on upcast inputs
     q_, k_, v_, o_, do_ = tensors
     with torch.cuda.device(q.device):
-        dq, dk, dv = load(name, D, packed is not None).backward(q_, k_, v_, o_, L, do_, dL, window_left, window_right,
-                                                                scale, softcap, alibi_slopes,
-                                                                *(packed or (None, None, 0, 0)), _stream(q))
+        dq, dk, dv = load(name, D, packed is not None, dropout_p > 0, deterministic).backward(
+            q_, k_, v_, o_, L, do_, dL, window_left, window_right, scale, softcap, alibi_slopes,
+            *(packed or (None, None, 0, 0)), dropout_p, dropout_key if dropout_p > 0 else None, _stream(q))
     if D != d:
         dq, dk, dv = (x[..., :d].contiguous() for x in (dq, dk, dv))
     if dk.shape[1] != k.shape[1]:  # grouped-query attention: one dK, dV per query head, summed over each group
@@ -270,9 +290,9 @@ def _run_backward(do, dL, q, k, v, o, L, window_left, window_right, scale, softc
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, window_left, window_right, scale, softcap, alibi_slopes, kernel = inputs
+    q, k, v, *options = inputs
     ctx.save_for_backward(q, k, v, *output)
-    ctx.options = window_left, window_right, scale, softcap, alibi_slopes, kernel
+    ctx.options = options  # (the window, scale, softcap, slopes, kernel, dropout and deterministic)
     ctx.set_materialize_grads(False)  # an unused output (L, usually) gets None, not a tensor of zeros
 
 
@@ -281,7 +301,7 @@ def _autograd_backward(ctx, do, dL):
     if do is None:
         do = torch.zeros_like(o)
     dq, dk, dv = _backward(do, dL, q, k, v, o, L, *ctx.options)
-    return dq, dk, dv, None, None, None, None, None, None
+    return (dq, dk, dv) + (None,) * len(ctx.options)
 
 
 _forward.register_autograd(_autograd_backward, setup_context=_setup_context)
@@ -350,6 +370,35 @@ def _check_scores(q, window, alibi_slopes, softcap, B):
                              f"on {alibi_slopes.device}")
 
 
+def _check_dropout(dropout_p, deterministic, dropout_seed):
+    if isinstance(dropout_p, bool) or not isinstance(dropout_p, (int, float)) or not 0 <= dropout_p < 1:
+        raise ValueError(f"dropout_p must be a number in [0, 1), got {dropout_p!r}")
+    if deterministic is not None and not isinstance(deterministic, bool):
+        raise TypeError(f"deterministic must be None, True or False, got {deterministic!r}")
+    if dropout_seed is not None and (isinstance(dropout_seed, bool) or not isinstance(dropout_seed, int)
+                                     or not 0 <= dropout_seed < 2 ** 63):
+        raise ValueError(f"dropout_seed must be None or an integer in [0, 2^63), got {dropout_seed!r}")
+
+
+def _dropout_key(dropout_p, dropout_seed, device):
+    """The Philox key of one call's dropout, int64 (1,) on the GPU (where the kernels read it): dropout_seed, or
+    drawn from torch's generator of that device, so that torch.manual_seed reproduces a run (and CUDA graphs and
+    torch.compile replay the draw). None without dropout."""
+    if dropout_p == 0:
+        return None
+    if dropout_seed is not None:
+        return torch.tensor([dropout_seed], dtype=torch.int64, device=device)
+    return torch.randint(0, 2 ** 63 - 1, (1,), dtype=torch.int64, device=device)
+
+
+def dropout_mask(q, k, dropout_p, dropout_seed):
+    """The keep mask (B, H_q, N_q, N_k), bool, of flash_attention(q, k, v, dropout_p=dropout_p,
+    dropout_seed=dropout_seed): the entries of P it keeps (and scales by reference.dropout_scale(dropout_p)).
+    Computed by reference.dropout_keep from the same Philox bits as the kernels, on q's device."""
+    import reference
+    return reference.dropout_keep(dropout_seed, (q.shape[0], q.shape[1], q.shape[2], k.shape[2]), dropout_p, q.device)
+
+
 def _options(causal, window, alibi_slopes, softcap):
     """The arguments the kernels take: window (left, right) with causal as right = 0 (FlashAttention's rule),
     softcap as a float, the slopes contiguous."""
@@ -358,7 +407,7 @@ def _options(causal, window, alibi_slopes, softcap):
 
 
 def flash_attention(q, k, v, causal=False, softmax_scale=None, kernel="auto", return_lse=False, window=(-1, -1),
-                    alibi_slopes=None, softcap=0.0):
+                    alibi_slopes=None, softcap=0.0, dropout_p=0.0, deterministic=None, dropout_seed=None):
     """softmax(q k^T * softmax_scale) v without an N_q x N_k matrix. q (B, H_q, N_q, d); k, v (B, H_kv, N_k, d),
     where H_kv divides H_q: query head h reads key/value head h // (H_q / H_kv) (grouped-query attention).
 
@@ -375,15 +424,27 @@ def flash_attention(q, k, v, causal=False, softmax_scale=None, kernel="auto", re
     no bound; causal sets right = 0 (a sliding window: causal=True, window=(w, -1)). Key blocks outside every
     window are never computed. alibi_slopes (H_q,) or (B, H_q), float32: adds -slope_h |i + N_k - N_q - j| to
     the scaled scores. softcap c > 0: scores become c tanh(scores / c) (after the scale, before ALiBi).
+
+    dropout_p: dropout of the attention probabilities P, in the kernels (each entry kept with probability
+    1 - p and scaled by 1 / (1 - p), p rounded to a multiple of 2^-16); the backward regenerates the same mask.
+    dropout_seed: the Philox key (an int in [0, 2^63)); None draws one from torch's generator, so that
+    torch.manual_seed reproduces a run. dropout_mask(q, k, dropout_p, dropout_seed) is the mask a seed gives.
+    deterministic: the backward computes dQ without atomics, in a second kernel with query blocks outer, so
+    that two runs give bit-identical gradients (and no fp32 copy of dQ is needed); it costs time (README).
+    None (the default): as torch.use_deterministic_algorithms asks (off unless a user turned it on).
     """
+    _check_dropout(dropout_p, deterministic, dropout_seed)
     _check_inputs(q, k, v, causal, softmax_scale, kernel, return_lse, window, alibi_slopes, softcap)
+    deterministic = torch.are_deterministic_algorithms_enabled() if deterministic is None else deterministic
     scale = 1.0 / math.sqrt(q.shape[-1]) if softmax_scale is None else float(softmax_scale)
     window, softcap, alibi_slopes = _options(causal, window, alibi_slopes, softcap)
+    dropout = float(dropout_p), _dropout_key(dropout_p, dropout_seed, q.device)
     if torch.compiler.is_compiling() or (torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or
                                                                       v.requires_grad)):
-        o, L = _forward(q, k, v, *window, scale, softcap, alibi_slopes, kernel)
+        o, L = _forward(q, k, v, *window, scale, softcap, alibi_slopes, kernel, *dropout, deterministic)
     else:  # inference, eagerly: the kernels without the op's dispatch, which costs as much as a decoding step
-        o, L = _run_forward(q, k, v, window, scale, softcap, alibi_slopes, kernel)
+        o, L = _run_forward(q, k, v, window, scale, softcap, alibi_slopes, kernel, dropout_p=dropout[0],
+                            dropout_key=dropout[1])
     return (o, L) if return_lse else o
 
 
@@ -478,17 +539,19 @@ def _check_lengths(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, total
 def _varlen_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,
                     cu_seqlens_k: torch.Tensor, max_seqlen_q: int, max_seqlen_k: int, window_left: int,
                     window_right: int, scale: float, softcap: float, alibi_slopes: Optional[torch.Tensor],
-                    kernel: str) -> tuple[torch.Tensor, torch.Tensor]:
+                    kernel: str, dropout_p: float = 0.0, dropout_key: Optional[torch.Tensor] = None,
+                    deterministic: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """O (total_q, H_q, d) and L (H_q, total_q) of a packed batch."""
     _check_lengths(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, q.shape[0], k.shape[0])
     o, L = _run_forward(*(_as_batch(t) for t in (q, k, v)), (window_left, window_right), scale, softcap, alibi_slopes,
-                        kernel, packed=(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k))
+                        kernel, packed=(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k), dropout_p=dropout_p,
+                        dropout_key=dropout_key)
     return _as_packed(o), _as_packed(L)
 
 
 @_varlen_forward.register_fake
 def _(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, window_left, window_right, scale, softcap,
-      alibi_slopes, kernel):
+      alibi_slopes, kernel, dropout_p=0.0, dropout_key=None, deterministic=False):
     return torch.empty_like(q, memory_format=torch.contiguous_format), q.new_empty(q.shape[1::-1], dtype=torch.float32)
 
 
@@ -496,18 +559,20 @@ def _(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, window_le
 def _varlen_backward(do: torch.Tensor, dL: Optional[torch.Tensor], q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                      o: torch.Tensor, L: torch.Tensor, cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor,
                      max_seqlen_q: int, max_seqlen_k: int, window_left: int, window_right: int, scale: float,
-                     softcap: float, alibi_slopes: Optional[torch.Tensor],
-                     kernel: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                     softcap: float, alibi_slopes: Optional[torch.Tensor], kernel: str, dropout_p: float = 0.0,
+                     dropout_key: Optional[torch.Tensor] = None,
+                     deterministic: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """dQ, dK, dV of a packed batch, as _backward."""
     grads = _run_backward(*(None if t is None else _as_batch(t) for t in (do, dL, q, k, v, o, L)), window_left,
                           window_right, scale, softcap, alibi_slopes, kernel,
-                          packed=(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k))
+                          packed=(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k), dropout_p=dropout_p,
+                          dropout_key=dropout_key, deterministic=deterministic)
     return tuple(_as_packed(g) for g in grads)
 
 
 @_varlen_backward.register_fake
 def _(do, dL, q, k, v, o, L, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, window_left, window_right,
-      scale, softcap, alibi_slopes, kernel):
+      scale, softcap, alibi_slopes, kernel, dropout_p=0.0, dropout_key=None, deterministic=False):
     return tuple(torch.empty_like(t, memory_format=torch.contiguous_format) for t in (q, k, v))
 
 
@@ -523,7 +588,7 @@ def _varlen_autograd_backward(ctx, do, dL):
     if do is None:
         do = torch.zeros_like(o)
     dq, dk, dv = _varlen_backward(do, dL, q, k, v, o, L, cu_seqlens_q, cu_seqlens_k, *ctx.options)
-    return (dq, dk, dv) + (None,) * 10
+    return (dq, dk, dv) + (None,) * (2 + len(ctx.options))
 
 
 _varlen_forward.register_autograd(_varlen_autograd_backward, setup_context=_varlen_setup_context)
@@ -531,7 +596,7 @@ _varlen_forward.register_autograd(_varlen_autograd_backward, setup_context=_varl
 
 def flash_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal=False,
                            softmax_scale=None, kernel="auto", return_lse=False, window=(-1, -1), alibi_slopes=None,
-                           softcap=0.0):
+                           softcap=0.0, dropout_p=0.0, deterministic=None, dropout_seed=None):
     """flash_attention on a packed batch of B sequences of different lengths, as FlashAttention's
     flash_attn_varlen_func: q (total_q, H_q, d), k, v (total_k, H_kv, d), the sequences one after another, with
     no padding. Sequence b is rows cu_seqlens_q[b] .. cu_seqlens_q[b+1]-1 of q and cu_seqlens_k[b] ..
@@ -539,7 +604,9 @@ def flash_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     max_seqlen_k: at least the longest sequence's length (they size the grid). Every sequence attends to its
     own keys only, causal (bottom right), window and ALiBi aligned to its own lengths; alibi_slopes may be (H_q,)
     or (B, H_q). Returns o (total_q, H_q, d), and with return_lse L (H_q, total_q), float32, FlashAttention's
-    layout. Differentiable, L included."""
+    layout. Differentiable, L included. dropout_p, deterministic, dropout_seed: as flash_attention's; sequence b
+    draws the mask of batch b of a padded batch (reference.dropout_keep(..., first_batch=b)), its rows and keys
+    counted from its own start."""
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor) or t.dim() != 3:
             raise ValueError(f"{name} must be a packed tensor (total, H, d), got "
@@ -559,12 +626,15 @@ def flash_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     B = cu_seqlens_q.numel() - 1
     if B > MAX_GRID:
         raise ValueError(f"B must be at most {MAX_GRID} sequences, got {B}")
+    _check_dropout(dropout_p, deterministic, dropout_seed)
     _check_inputs(*(_as_batch(t) for t in (q, k, v)), causal, softmax_scale, kernel, return_lse, window, alibi_slopes,
                   softcap, B)
+    deterministic = torch.are_deterministic_algorithms_enabled() if deterministic is None else deterministic
     scale = 1.0 / math.sqrt(q.shape[-1]) if softmax_scale is None else float(softmax_scale)
     window, softcap, alibi_slopes = _options(causal, window, alibi_slopes, softcap)
     o, L = _varlen_forward(q, k, v, cu_seqlens_q.contiguous(), cu_seqlens_k.contiguous(), max_seqlen_q, max_seqlen_k,
-                           *window, scale, softcap, alibi_slopes, kernel)
+                           *window, scale, softcap, alibi_slopes, kernel, float(dropout_p),
+                           _dropout_key(dropout_p, dropout_seed, q.device), deterministic)
     return (o, L) if return_lse else o
 
 

@@ -24,7 +24,10 @@ The departures from the paper, each of which the kernels share:
     diagonal position i + N_k - N_q (causal is right = 0), ALiBi slopes and a softcap, applied to S_ij in one
     step (_modified, _hidden) before the online softmax; key blocks outside every window are skipped;
   - packed batches of sequences of different lengths (attention_varlen, FlashAttention's varlen layout): each
-    sequence on its own rows, with its own N_q and N_k.
+    sequence on its own rows, with its own N_q and N_k;
+  - dropout of P_ij, as the first FlashAttention paper's Algorithms 2 and 4 (Dao et al., 2022, appendix B):
+    O_i takes P_ij o Z_ij V_j while l_i sums P_ij itself, and the backward regenerates the same Z_ij
+    (dropout_keep: the kernels' Philox bits, so that a kernel and this module drop the same entries).
 The "l.N" tags are the line numbers of the paper's Algorithms 1 and 2.
 """
 import math
@@ -91,23 +94,87 @@ def _blocks(first, last, size, count):
     return range(max(0, first) // size, min(count - 1, last // size) + 1) if last >= 0 else range(0)
 
 
-def attention(Q, K, V, causal=False, softmax_scale=None, window=(-1, -1), alibi_slopes=None, softcap=0.0):
+def philox(x, key):
+    """Philox4x32-10 (Salmon et al., SC 2011), the kernels' counter-based generator: 128 random bits from a
+    counter x (..., 4) and a key (k0, k1), all 32-bit words held in int64 tensors. Ten rounds of two 32 x 32 ->
+    64-bit products (split into 16-bit halves here, since int64 cannot hold them) mixed with the key, which
+    Weyl constants bump between rounds."""
+    def mulhilo(m, a):  # (m a) >> 32 and (m a) mod 2^32, exactly
+        lo16, hi16 = a * (m & 0xFFFF), a * (m >> 16)               # each < 2^48
+        return (hi16 + (lo16 >> 16)) >> 16, ((hi16 & 0xFFFF) << 16) + lo16 & 0xFFFFFFFF
+    x0, x1, x2, x3 = x.unbind(-1)
+    k0, k1 = key
+    for round in range(10):
+        if round > 0:
+            k0, k1 = (k0 + 0x9E3779B9) & 0xFFFFFFFF, (k1 + 0xBB67AE85) & 0xFFFFFFFF
+        hi0, lo0 = mulhilo(0xD2511F53, x0)
+        hi1, lo1 = mulhilo(0xCD9E8D57, x2)
+        x0, x1, x2, x3 = hi1 ^ x1 ^ k0, lo1, hi0 ^ x3 ^ k1, lo0
+    return torch.stack((x0, x1, x2, x3), -1)
+
+
+def dropout_threshold(dropout_p):
+    """An entry is dropped when its 16 random bits are below this: p is rounded to a multiple of 2^-16."""
+    return min(round(dropout_p * 65536), 65535)
+
+
+def dropout_scale(dropout_p):
+    """1 / (1 - p) for the rounded p: the factor of a kept entry, so that Z_ij averages exactly 1."""
+    return 65536 / (65536 - dropout_threshold(dropout_p))
+
+
+def dropout_keep(seed, shape, dropout_p, device=None, first_batch=0, first_row=0, first_col=0):
+    """The keep mask (B, H_q, N_q, N_k), bool, that the kernels draw for Philox key `seed` (a 64-bit int): entry
+    (b, h, r, c) is kept when its 16 bits are >= dropout_threshold. One Philox call serves the 8 entries of rows
+    {r, r + 8} x columns {c, c + 1, c + 8, c + 9} of a 16 x 16 tile (what one lane holds in the tensor cores'
+    m16n8 layout); its counter is (column group, row group, h, b) and the entry's bits are 16-bit word
+    4 (c/8 mod 2) + 2 (r/8 mod 2) + c mod 2 of the 128. first_batch, first_row, first_col: where the mask
+    starts (a block Z_ij; in a packed batch, sequence b is batch b, its rows and keys counted from its start)."""
+    B, H, N_q, N_k = shape
+    r, c = torch.arange(first_row, first_row + N_q, device=device), torch.arange(first_col, first_col + N_k,
+                                                                                  device=device)
+    row_group, col_group = 8 * (r // 16) + r % 8, 4 * (c // 16) + c % 8 // 2       # (N_q,), (N_k,)
+    slot = 4 * (c[None, :] // 8 % 2) + 2 * (r[:, None] // 8 % 2) + c[None, :] % 2   # (N_q, N_k)
+    R, C = row_group.unique(), col_group.unique()                                    # the calls it takes
+    b, h, R_, C_ = torch.meshgrid(torch.arange(first_batch, first_batch + B, device=device),
+                                  torch.arange(H, device=device), R, C, indexing="ij")  # (B, H, rows, cols)
+    words = philox(torch.stack((C_, R_, h, b), -1), (seed & 0xFFFFFFFF, seed >> 32 & 0xFFFFFFFF))
+    bits = torch.stack((words & 0xFFFF, words >> 16), -1).flatten(-2)                # (B, H, rows, cols, 8)
+    rows, cols = torch.searchsorted(R, row_group), torch.searchsorted(C, col_group)  # each entry's call
+    return bits[:, :, rows[:, None], cols[None, :], slot] >= dropout_threshold(dropout_p)
+
+
+def _dropout_block(Q, dropout_p, dropout_seed, r0, r1, c0, c1):
+    """Z_ij for rows r0:r1 and keys c0:c1 of Q (B, H_q, N_q, d) or (H_q, N_q, d): 0 where dropped, else the
+    scale 1 / (1 - p); 1 without dropout."""
+    if dropout_p == 0:
+        return 1.0
+    B, H = (1, *Q.shape[-3:-2]) if Q.dim() == 3 else Q.shape[:2]
+    keep = dropout_keep(dropout_seed, (B, H, r1 - r0, c1 - c0), dropout_p, Q.device, first_row=r0, first_col=c0)
+    return (keep * dropout_scale(dropout_p)).to(Q.dtype).reshape(*Q.shape[:-2], r1 - r0, c1 - c0)
+
+
+def attention(Q, K, V, causal=False, softmax_scale=None, window=(-1, -1), alibi_slopes=None, softcap=0.0,
+              dropout=None):
     """Standard attention softmax(Q K^T * scale) V; builds the whole N_q x N_k matrix (the thing to avoid).
-    A row whose keys are all masked gets 0 (FlashAttention's convention; softmax alone would give NaN)."""
+    A row whose keys are all masked gets 0 (FlashAttention's convention; softmax alone would give NaN).
+    dropout: Z (..., H_q, N_q, N_k), the factor of each entry of P (0 or 1 / (1 - p)): O = (P o Z) V."""
     K, V = _query_heads(K, Q), _query_heads(V, Q)
     N_q, N_k = Q.shape[-2], K.shape[-2]
     S = Q @ K.transpose(-1, -2) * _scale(Q, softmax_scale)                # (..., N_q, N_k)
     S = _modified(S, 0, 0, N_k - N_q, softcap, alibi_slopes)
     hidden = _hidden(0, N_q, 0, N_k, Q.device, N_k - N_q, _window(causal, window))
     P = torch.softmax(S.masked_fill(hidden, float("-inf")), dim=-1)
-    return P.masked_fill(hidden.all(dim=-1, keepdim=True), 0.0) @ V       # (..., N_q, d)
+    P = P.masked_fill(hidden.all(dim=-1, keepdim=True), 0.0)
+    return (P if dropout is None else P * dropout) @ V                     # (..., N_q, d)
 
 
 def flash_forward(Q, K, V, causal=False, softmax_scale=None, B_r=64, B_c=64, key_blocks=None, window=(-1, -1),
-                  alibi_slopes=None, softcap=0.0):
+                  alibi_slopes=None, softcap=0.0, dropout_p=0.0, dropout_seed=0):
     """Algorithm 1 (forward). Returns O (..., N_q, d) and L (..., N_q), the row log-sum-exp.
     key_blocks: the key blocks j to visit (default: all T_c that the window reaches); split-KV (flash_decode)
-    visits one range of them per part and merges the parts."""
+    visits one range of them per part and merges the parts. dropout_p > 0: each block draws its Z_ij from
+    dropout_seed (dropout_keep), as the kernels do; Q is then (B, H_q, N_q, d) or (H_q, N_q, d)."""
     N_q, N_k = Q.shape[-2], K.shape[-2]
     scale = _scale(Q, softmax_scale)
     K, V = _query_heads(K, Q), _query_heads(V, Q)
@@ -137,6 +204,8 @@ def flash_forward(Q, K, V, causal=False, softmax_scale=None, B_r=64, B_c=64, key
             P_ij = torch.exp(S_ij - m_new[..., None])                     #      P_ij = exp(S_ij - m_i^(j))
             alpha = torch.exp(m_i - m_new)                                #      rescales what was summed so far
             l_i = alpha * l_i + P_ij.sum(dim=-1)                          #      l_i^(j) = e^(m^(j-1) - m^(j)) l_i^(j-1) + rowsum(P_ij)
+            # dropout, after the row sum (the first paper's Algorithm 2, line 14): P_ij o Z_ij
+            P_ij = P_ij * _dropout_block(Q, dropout_p, dropout_seed, r0, r1, c0, c1)
             O_i = alpha[..., None] * O_i + P_ij @ V_j                     # l.10: O_i^(j) = diag(e^(m^(j-1) - m^(j))) O_i^(j-1) + P_ij V_j
             m_i = m_new
         # l.12: O_i = diag(l_i)^-1 O_i (a row that saw no key has l_i = 0: its O_i stays 0)
@@ -146,8 +215,11 @@ def flash_forward(Q, K, V, causal=False, softmax_scale=None, B_r=64, B_c=64, key
 
 
 def flash_backward(Q, K, V, O, L, dO, causal=False, softmax_scale=None, B_r=64, B_c=64, window=(-1, -1),
-                   alibi_slopes=None, softcap=0.0):
-    """Algorithm 2 (backward). Recomputes P_ij from Q_i, K_j and L_i; returns dQ, dK, dV."""
+                   alibi_slopes=None, softcap=0.0, dropout_p=0.0, dropout_seed=0):
+    """Algorithm 2 (backward). Recomputes P_ij from Q_i, K_j and L_i; returns dQ, dK, dV. dropout_p,
+    dropout_seed: the forward's; Z_ij is regenerated rather than stored (the first paper's Algorithm 4, lines
+    14-18): dV_j takes P_ij o Z_ij, and dP_ij is multiplied by Z_ij before dS_ij; D_i = rowsum(dO_i o O_i) still
+    holds, O having been dropped."""
     N_q, N_k = Q.shape[-2], K.shape[-2]
     scale = _scale(Q, softmax_scale)
     H_kv = K.shape[-3] if K.dim() > 2 else 0
@@ -171,8 +243,9 @@ def flash_backward(Q, K, V, O, L, dO, causal=False, softmax_scale=None, B_r=64, 
             S_ij = Q_i @ K_j.transpose(-1, -2) * scale                    # l.10: S_ij = Q_i K_j^T
             P_ij = torch.exp(_modified(S_ij, r0, c0, shift, softcap, alibi_slopes) - L_i[..., None])  # l.11
             P_ij = P_ij.masked_fill(_hidden(r0, r1, c0, c1, Q.device, shift, window), 0.0)  # P_ij = exp(S_ij - L_i)
-            dV_j = dV_j + P_ij.transpose(-1, -2) @ dO_i                   # l.12: dV_j += P_ij^T dO_i
-            dP_ij = dO_i @ V_j.transpose(-1, -2)                          # l.13: dP_ij = dO_i V_j^T
+            Z_ij = _dropout_block(Q, dropout_p, dropout_seed, r0, r1, c0, c1)  # dropout: P_ij o Z_ij, dP_ij o Z_ij
+            dV_j = dV_j + (P_ij * Z_ij).transpose(-1, -2) @ dO_i          # l.12: dV_j += P_ij^T dO_i
+            dP_ij = dO_i @ V_j.transpose(-1, -2) * Z_ij                   # l.13: dP_ij = dO_i V_j^T
             dS_ij = P_ij * (dP_ij - D_i[..., None])                       # l.14: dS_ij = P_ij o (dP_ij - D_i)
             if softcap > 0:  # through the softcap: d(c tanh(S / c))/dS = 1 - tanh^2 (ALiBi adds a constant)
                 dS_ij = dS_ij * (1 - torch.tanh(S_ij / softcap) ** 2)

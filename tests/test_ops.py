@@ -23,6 +23,8 @@ def test_opcheck(kernel, dtype):
     torch.library.opcheck(torch.ops.flash.forward.default, (q, k, v, -1, 0, 0.125, 0.0, None, kernel))
     slopes = torch.rand(3, device="cuda")  # and with a window, a softcap and ALiBi
     torch.library.opcheck(torch.ops.flash.forward.default, (q, k, v, 20, 3, 0.125, 5.0, slopes, kernel))
+    key = torch.tensor([123], device="cuda")  # and with dropout and the deterministic backward
+    torch.library.opcheck(torch.ops.flash.forward.default, (q, k, v, -1, 0, 0.125, 0.0, None, kernel, 0.1, key, True))
 
 
 @pytest.mark.parametrize("kernel, dtype", CASES)

@@ -52,6 +52,14 @@ def test_bad_inputs(make, error, words):
                                                    "or (B, H_q) = (1, 2) on cpu, got torch.float32 (3,)"),
     (dict(alibi_slopes=torch.ones(2, dtype=torch.float64)), ValueError, "got torch.float64 (2,)"),
     (dict(alibi_slopes=torch.ones(2, 2)), ValueError, "got torch.float32 (2, 2)"),
+    (dict(dropout_p=1.0), ValueError, "dropout_p must be a number in [0, 1), got 1.0"),
+    (dict(dropout_p=-0.1), ValueError, "dropout_p must be a number in [0, 1), got -0.1"),
+    (dict(dropout_p="0.1"), ValueError, "dropout_p must be a number in [0, 1), got '0.1'"),
+    (dict(dropout_p=True), ValueError, "dropout_p must be a number in [0, 1), got True"),
+    (dict(deterministic=1), TypeError, "deterministic must be None, True or False, got 1"),
+    (dict(dropout_p=0.1, dropout_seed=-1), ValueError, "dropout_seed must be None or an integer in [0, 2^63), got -1"),
+    (dict(dropout_p=0.1, dropout_seed=2 ** 63), ValueError, "an integer in [0, 2^63)"),
+    (dict(dropout_p=0.1, dropout_seed=1.5), ValueError, "an integer in [0, 2^63), got 1.5"),
 ])
 def test_bad_arguments(kwargs, error, words):
     with pytest.raises(error) as info:
