@@ -253,14 +253,23 @@ struct Dropout {
   uint32_t threshold;  // an entry whose 16 bits are below it is dropped: p = threshold / 65536
   float scale;         // 1 / (1 - p): Z_ij, the kept entries' factor
   __device__ static int slot(int r, int c) { return 4 * (c / 8 % 2) + 2 * (r / 8 % 2) + c % 2; }
-  // bit slot(r', c') set if entry (r', c') of the 8 that share (r, c)'s call is kept
-  __device__ uint32_t keep_bits(int r, int c) const {
+  // The 4 words of the call of entry (r, c), each with 0xFFFF in the half of a kept slot (slot 2w in the low half
+  // of word w, 2w + 1 in the high one): in the m16n8 layout, word w is the mask of one packed register of P_ij
+  // (see exp_and_pack). A half h >= threshold exactly when the word, with h moved to the top, is >= threshold << 16.
+  __device__ uint4 keep_masks(int r, int c) const {
     const uint64_t k = __ldg(reinterpret_cast<const unsigned long long*>(key));
     const uint4 x = philox(make_uint4(4 * (c / 16) + c % 8 / 2, 8 * (r / 16) + r % 8, blockIdx.y, blockIdx.z),
                            make_uint2(uint32_t(k), uint32_t(k >> 32)));
-    const uint32_t words[4] = {x.x, x.y, x.z, x.w};
+    const uint32_t T = threshold << 16;
+    auto mask = [&](uint32_t w) { return (w << 16 >= T ? 0xFFFFu : 0u) | (w >= T ? 0xFFFF0000u : 0u); };
+    return make_uint4(mask(x.x), mask(x.y), mask(x.z), mask(x.w));
+  }
+  // the same as 8 bits: bit slot(r', c') set if entry (r', c') of the 8 that share (r, c)'s call is kept
+  __device__ uint32_t keep_bits(int r, int c) const {
+    const uint4 m = keep_masks(r, c);
+    const uint32_t words[4] = {m.x, m.y, m.z, m.w};
     uint32_t bits = 0;
-    for (int s = 0; s < 8; s++) bits |= uint32_t((words[s / 2] >> 16 * (s % 2) & 0xFFFF) >= threshold) << s;
+    for (int w = 0; w < 4; w++) bits |= (words[w] & 1u) << 2 * w | (words[w] >> 31) << (2 * w + 1);
     return bits;
   }
   __device__ float Z(uint32_t bits, int slot) const { return bits >> slot & 1 ? scale : 0.f; }  // Z_ij
@@ -795,27 +804,28 @@ __device__ void rescale_O(float (&O_i)[d / 8][4], const float (&alpha)[2]) {
 
 // P_ij = exp(S_ij - m_i) for one 16 x 8 accumulator tile s, packed as the two A-fragment registers that
 // hold its rows g and g+8 in P_ij V_j; this lane's share of rowsum(P_ij) is added to l_i (l.9). With dropout,
-// P_ij o Z_ij is packed, `keep` holding the tile's 4 bits (Dropout::keep_bits, shifted to the tile).
+// the registers are ANDed with the masks of Dropout::keep_masks (0 where dropped), and every kept entry's factor
+// 1 / (1 - p) is left to O_i's normalisation (write_O_L): no multiply per entry.
 template <typename T>
 __device__ void exp_and_pack(uint32_t& row_g, uint32_t& row_g8, const float (&s)[4], const float (&m_i)[2],
-                             float (&l_i)[2], const Dropout& dropout = {}, uint32_t keep = 0) {
+                             float (&l_i)[2], uint32_t keep_g = ~0u, uint32_t keep_g8 = ~0u) {
   float p[4];
   for (int e = 0; e < 4; e++) p[e] = exp2_ftz(s[e] - m_i[e / 2]);
   l_i[0] += p[0] + p[1], l_i[1] += p[2] + p[3];
-  if (DROPOUT)
-    for (int e = 0; e < 4; e++) p[e] *= dropout.Z(keep, e);
   row_g = pack<T>(p[0], p[1]), row_g8 = pack<T>(p[2], p[3]);
+  if (DROPOUT) row_g &= keep_g, row_g8 &= keep_g8;
 }
 
-// l.12-15: O_i / l_i into O as T, and L_i = m_i + log(l_i) in natural-log units.
+// l.12-15: O_i / l_i into O as T, and L_i = m_i + log(l_i) in natural-log units. (dropout: O_i summed the kept
+// entries of P_ij unscaled, so O_i / l_i is multiplied by their factor 1 / (1 - p) here, once per row.)
 template <typename T, int d>
 __device__ void write_O_L(const float (&O_i)[d / 8][4], const float (&m_i)[2], float (&l_i)[2], Rows<T> O, float* L,
-                          int r, int t, int N) {
+                          int r, int t, int N, float dropout_scale = 1.f) {
   for (int h = 0; h < 2; h++) {
     l_i[h] += __shfl_xor_sync(~0u, l_i[h], 1);  // the row's sum over the 4 lanes of its quad
     l_i[h] += __shfl_xor_sync(~0u, l_i[h], 2);
     if (r + 8 * h >= N) continue;
-    const float f = inverse(l_i[h]);
+    const float f = DROPOUT ? inverse(l_i[h]) * dropout_scale : inverse(l_i[h]);
     for (int nt = 0; nt < d / 8; nt++)
       *reinterpret_cast<uint32_t*>(O.at(r + 8 * h) + 8 * nt + 2 * t) = pack<T>(f * O_i[nt][2 * h], f * O_i[nt][2 * h + 1]);
     if (t == 0) L[r + 8 * h] = log_sum_exp(m_i[h], l_i[h]);
@@ -1049,9 +1059,9 @@ flash_fwd_turing(Rows<const __half> Q, Rows<const __half> K, Rows<const __half> 
     rescale_O<d>(O_i, alpha);
     for (int kk = 0; kk < B_c / 16; kk++) {                                 // l.10: O_i += P_ij V_j
       uint32_t P_frag[4];  // the S accumulators of tiles 2kk, 2kk+1 are the A fragment of slice kk
-      const uint32_t keep = DROPOUT ? sc.dropout.keep_bits(r, j * B_c + 16 * kk + 2 * t) : 0;  // (their 8 entries)
-      exp_and_pack<__half>(P_frag[0], P_frag[1], S[2 * kk], m_i, l_i, sc.dropout, keep);           // keys 16kk ..
-      exp_and_pack<__half>(P_frag[2], P_frag[3], S[2 * kk + 1], m_i, l_i, sc.dropout, keep >> 4);  // 16kk+8 ..
+      const uint4 keep = DROPOUT ? sc.dropout.keep_masks(r, j * B_c + 16 * kk + 2 * t) : uint4{};  // (one call)
+      exp_and_pack<__half>(P_frag[0], P_frag[1], S[2 * kk], m_i, l_i, keep.x, keep.y);      // keys 16kk .. 16kk+7
+      exp_and_pack<__half>(P_frag[2], P_frag[3], S[2 * kk + 1], m_i, l_i, keep.z, keep.w);  // keys 16kk+8 .. +15
       for (int nt = 0; nt < d / 8; nt += 2) {
         // B fragments of V_j (keys 16kk .. 16kk+15, columns 8nt .. 8nt+15), transposed on the way:
         // lane l points at key 16kk + l%8 + 8*((l/8)%2), column 8nt + 8*(l/16)
@@ -1062,7 +1072,7 @@ flash_fwd_turing(Rows<const __half> Q, Rows<const __half> K, Rows<const __half> 
       }
     }
   }
-  write_O_L<__half, d>(O_i, m_i, l_i, O, L, r, t, N_q);                    // l.12-15
+  write_O_L<__half, d>(O_i, m_i, l_i, O, L, r, t, N_q, sc.dropout.scale);  // l.12-15
 }
 
 // ======================================================================================================
@@ -1234,9 +1244,9 @@ flash_fwd_ampere(Rows<const T> Q, Rows<const T> K, Rows<const T> V, Rows<T> O, f
     for (int kk = 0; kk < B_c / 16; kk++) {                                 // l.10: O_i += P_ij V_j
       uint32_t P_frag[M][4];  // the S accumulators of tiles 2kk, 2kk+1 are the A fragment of slice kk
       for (int m = 0; m < M; m++) {
-        const uint32_t keep = DROPOUT ? sc.dropout.keep_bits(r + 16 * m, j * B_c + 16 * kk + 2 * t) : 0;
-        exp_and_pack<T>(P_frag[m][0], P_frag[m][1], S[m][2 * kk], m_i[m], l_i[m], sc.dropout, keep);  // keys 16kk..
-        exp_and_pack<T>(P_frag[m][2], P_frag[m][3], S[m][2 * kk + 1], m_i[m], l_i[m], sc.dropout, keep >> 4);  // +8..
+        const uint4 keep = DROPOUT ? sc.dropout.keep_masks(r + 16 * m, j * B_c + 16 * kk + 2 * t) : uint4{};
+        exp_and_pack<T>(P_frag[m][0], P_frag[m][1], S[m][2 * kk], m_i[m], l_i[m], keep.x, keep.y);  // keys 16kk..
+        exp_and_pack<T>(P_frag[m][2], P_frag[m][3], S[m][2 * kk + 1], m_i[m], l_i[m], keep.z, keep.w);  // +8..
       }
       for (int nt = 0; nt < d / 8; nt += 2) {
         uint32_t b[4];  // B fragments of V_j, transposed on the way (addresses as in the Turing kernel)
@@ -1248,7 +1258,8 @@ flash_fwd_ampere(Rows<const T> Q, Rows<const T> K, Rows<const T> V, Rows<T> O, f
     __syncthreads();  // every warp is done with stage j % 2 before iteration j+1 refills it
   }
 #pragma unroll
-  for (int m = 0; m < M; m++) write_O_L<T, d>(O_i[m], m_i[m], l_i[m], O, L, r + 16 * m, t, N_q);  // l.12-15
+  for (int m = 0; m < M; m++)
+    write_O_L<T, d>(O_i[m], m_i[m], l_i[m], O, L, r + 16 * m, t, N_q, sc.dropout.scale);  // l.12-15
 }
 
 // ------------------------------------------------------------------------------------------------------
@@ -1340,7 +1351,8 @@ flash_bwd_ampere(Rows<const T> Q, Rows<const T> K, Rows<const T> V, Rows<const T
     }
     const bool edge = mask.any(row0, B_r, col0, B_c) | (row0 + B_r > N_q);  // any entry to zero?
     // dropout: the keep bits of queries 8nt + 2t and + 1 with keys c, c + 8 (nt even; nt + 1 shares them). Lanes g
-    // and g ^ 1 hold the other half of both calls' entries: each makes one call, and they swap the bits.
+    // and g ^ 1 hold the other half of both calls' entries: each makes one call, and they swap the bits. Shifted
+    // by this lane's key parity g % 2, the bit of entry (nt, e) is at slot 4 (e / 2) + 2 (nt % 2).
     uint32_t keep[2];
 #pragma unroll
     for (int nt = 0; nt < B_r / 8; nt++) {
@@ -1349,14 +1361,15 @@ flash_bwd_ampere(Rows<const T> Q, Rows<const T> K, Rows<const T> V, Rows<const T
       if (DROPOUT && nt % 2 == 0) {
         const uint32_t mine = sc.dropout.keep_bits(row0 + 8 * nt + 2 * t + g % 2, col0 + 16 * warp + g);
         const uint32_t other = __shfl_xor_sync(~0u, mine, 4);
-        keep[0] = g % 2 ? other : mine, keep[1] = g % 2 ? mine : other;
+        keep[0] = (g % 2 ? other : mine) >> g % 2, keep[1] = (g % 2 ? mine : other) >> g % 2;
       }
 #pragma unroll
       for (int e = 0; e < 4; e++) {  // entry (key c, query r) of P^T and dS^T
         const int c = col0 + 16 * warp + g + 8 * (e / 2), r = row0 + 8 * nt + 2 * t + e % 2;
         const float L_r_e = e % 2 ? L_r.y : L_r.x, D_r_e = e % 2 ? D_r.y : D_r.x;
         // dropout: dV_j takes P_ij o Z_ij, and dS_ij takes dP_ij o Z_ij (the first paper's Algorithm 4)
-        const float dP_Z = DROPOUT ? dP[nt][e] * sc.dropout.Z(keep[e % 2], Dropout::slot(r, c)) : dP[nt][e];
+        const float Z = DROPOUT ? sc.dropout.Z(keep[e % 2], 4 * (e / 2) + 2 * (nt % 2)) : 1.f;
+        const float dP_Z = DROPOUT ? dP[nt][e] * Z : dP[nt][e];
         if (sc.plain()) {
           const bool seen = !edge || ((r < N_q) & !mask.hides(r, c));
           S[nt][e] = seen ? exp2_ftz(S[nt][e] * scale_log2 - L_r_e * LOG2E) : 0.f;  // l.11: P_ij = exp(S_ij - L_i)
@@ -1365,7 +1378,7 @@ flash_bwd_ampere(Rows<const T> Q, Rows<const T> K, Rows<const T> V, Rows<const T
           sc.probability_and_gradient(S[nt][e], r, c, slope, L_r_e * LOG2E, dP_Z - D_r_e, S[nt][e], dP[nt][e]);
           if (r >= N_q) S[nt][e] = dP[nt][e] = 0.f;
         }
-        if (DROPOUT) S[nt][e] *= sc.dropout.Z(keep[e % 2], Dropout::slot(r, c));
+        if (DROPOUT) S[nt][e] *= Z;
       }
     }
 #pragma unroll
@@ -1991,13 +2004,20 @@ flash_fwd_hopper(const __grid_constant__ CUtensorMap Q_map, const __grid_constan
       update_row_max<B_c>(S, m_i, l_i, alpha);
       for (int nt = 0; nt < B_c / 8; nt++)
         for (int e = 0; e < 4; e++) S[nt][e] = exp2_ftz(S[nt][e] - m_i[e / 2]), l_i[e / 2] += S[nt][e];
-      // dropout: P_ij o Z_ij goes into the product (l_i sums all of P_ij), 8 entries per Philox call. (Drawn
-      // here rather than while the tensor cores compute S_ij: that made the forward slower at d = 64.)
+      // dropout: the dropped entries of P_ij zeroed (l_i has summed them all; the kept ones' factor 1 / (1 - p) is
+      // left to write_O_L), one Philox call per 16 keys, here where P_ij V_j of the block before still runs. Word w
+      // of a call's masks holds entries 2w and 2w + 1 of tiles 2kk, 2kk + 1: each half's top bit, moved to bit 31
+      // and shifted down arithmetically, gives a mask of all ones or all zeros for that float.
       if (DROPOUT)
 #pragma unroll
         for (int kk = 0; kk < B_c / 16; kk++) {
-          const uint32_t keep = sc.dropout.keep_bits(r, j * B_c + 16 * kk + 2 * t);
-          for (int e = 0; e < 8; e++) S[2 * kk + e / 4][e % 4] *= sc.dropout.Z(keep, e);
+          const uint4 keep = sc.dropout.keep_masks(r, j * B_c + 16 * kk + 2 * t);
+          const uint32_t words[4] = {keep.x, keep.y, keep.z, keep.w};
+          for (int w = 0; w < 4; w++)
+            for (int h = 0; h < 2; h++) {
+              float& x = S[2 * kk + w / 2][2 * (w % 2) + h];
+              x = __int_as_float(__float_as_int(x) & int(words[w] << 16 * (1 - h)) >> 31);
+            }
         }
     };
     // O_i += P_ij V_j (l.10) for j's stage s: B_c/16 wgmma, keys 16kk..16kk+15 (16 rows of V_j, 2048 bytes)
@@ -2050,7 +2070,7 @@ flash_fwd_hopper(const __grid_constant__ CUtensorMap Q_map, const __grid_constan
     issue_PV((n_blocks - 1) % STAGES);
     if (wg < NWG) next_turn();  // (the last consumer's turn token would never be taken)
     wgmma_wait<0>(O_i);
-    write_O_L<T, d>(O_i, m_i, l_i, O.head(), L + mask.row_index(), r, t, mask.N_q);  // l.12-15
+    write_O_L<T, d>(O_i, m_i, l_i, O.head(), L + mask.row_index(), r, t, mask.N_q, sc.dropout.scale);  // l.12-15
   }
 #endif
 }
@@ -2067,13 +2087,14 @@ __device__ void store_panel(uint32_t panel, const float (&X)[n / 8][4], int row,
                    "r"(pack<T>(X[nt][2 * h], X[nt][2 * h + 1])) : "memory");
 }
 
-// By one warp: L_i log2(e) and D_i of query rows row0 .. row0 + B_r - 1 into LD (2, B_r), 0 past N.
+// By one warp: L_i log2(e) and D_i of query rows row0 .. row0 + B_r - 1 into LD (2, B_r), 0 past N. (dropout: D_i
+// times D_factor = 1 - p; see the hopper backward.)
 template <int B_r>
-__device__ void copy_L_D(float* LD, const float* L, const float* D, int row0, int N) {
+__device__ void copy_L_D(float* LD, const float* L, const float* D, int row0, int N, float D_factor) {
   for (int x = threadIdx.x % 32; x < B_r; x += 32) {
     const int r = row0 + x;
     LD[x] = r < N ? L[r] * LOG2E : 0.f;
-    LD[B_r + x] = r < N ? D[r] : 0.f;
+    LD[B_r + x] = r < N ? (DROPOUT ? D[r] * D_factor : D[r]) : 0.f;
   }
 }
 
@@ -2165,7 +2186,8 @@ flash_bwd_hopper(const __grid_constant__ CUtensorMap Q_map, const __grid_constan
       for (int i = i_start; i < i_end; i++) {  // not 16-byte aligned); each lane arrives on full(s) when done
         const int s = stage(i);
         if (round(i) > 0) mbar_wait(empty(s), (round(i) - 1) % 2);
-        copy_L_D<B_r>(reinterpret_cast<float*>(__cvta_shared_to_generic(LD_s(s))), L, D, i * B_r, N_q);
+        copy_L_D<B_r>(reinterpret_cast<float*>(__cvta_shared_to_generic(LD_s(s))), L, D, i * B_r, N_q,
+                      1.f / sc.dropout.scale);
         mbar_arrive(full(s));
       }
     }
@@ -2176,6 +2198,7 @@ flash_bwd_hopper(const __grid_constant__ CUtensorMap Q_map, const __grid_constan
     const int key0 = split_keys ? 64 * (wg - 1) : 0, q0 = split_keys ? 0 : NQ * (wg - 1), n0 = split_keys ? 0 : (wg - 1) * ND;
     const int c = col0 + key0 + 16 * warp + g;  // this lane's keys are c and c + 8
     const float scale_log2 = scale * LOG2E, slope = sc.slope(blockIdx.z, blockIdx.y);
+    const float dropout_scale = DROPOUT ? sc.dropout.scale : 1.f, dS_scale = scale * dropout_scale;  // (see P_and_dS)
     float dK_j[ND / 8][4] = {}, dV_j[ND / 8][4] = {};                          // l.7: dK_j = dV_j = 0
     float S[NQ / 8][4], dP[NQ / 8][4];  // S_ij^T, then P_ij^T; dP_ij^T, then dS_ij^T
     // f(Int<first column>) for this consumer's columns: the pieces of a product (wgmma_ss_cols) are fixed at
@@ -2229,8 +2252,8 @@ flash_bwd_hopper(const __grid_constant__ CUtensorMap Q_map, const __grid_constan
         const int r = i * B_r + 16 * warp + g + 8 * h;  // dQ_i's rows are queries: this lane's are r, r + 8
         if (r < N_q)
           for (int nt = 0; nt < DQ / 8; nt++)
-            atomic_add_pair(&dQ[(size_t)r * d + c0 + 8 * nt + 2 * t], scale * dQ_i[nt][2 * h],
-                            scale * dQ_i[nt][2 * h + 1]);
+            atomic_add_pair(&dQ[(size_t)r * d + c0 + 8 * nt + 2 * t], dS_scale * dQ_i[nt][2 * h],
+                            dS_scale * dQ_i[nt][2 * h + 1]);
       }
     };
     auto dQ_piece = [&](int i) {
@@ -2251,18 +2274,21 @@ flash_bwd_hopper(const __grid_constant__ CUtensorMap Q_map, const __grid_constan
       const float* L_i = reinterpret_cast<const float*>(__cvta_shared_to_generic(LD_s(stage(i)))) + q0;
       const float* D_i = L_i + B_r;
       auto q = [&](int nt, int e) { return 8 * nt + 2 * t + e % 2; };  // the query, from row0
-      // dropout: dS_ij takes dP_ij o Z_ij, and dV_j takes P_ij o Z_ij (the first paper's Algorithm 4). keep[n]:
+      // dropout: dS_ij takes dP_ij o Z_ij, and dV_j takes P_ij o Z_ij (the first paper's Algorithm 4). With Z_ij
+      // = s keep_ij (s = 1 / (1 - p)), dS_ij = s P_ij o (dP_ij o keep_ij - D_i / s): the kernel zeroes dropped
+      // entries by masking their bits, reads D_i / s (copy_L_D), and leaves s to dK_j, dQ_i and dV_j. keep[n]:
       // the bits of queries q(2n, 0) and q(2n, 1) with keys c and c + 8 (and of 2n + 1, which share them), drawn
       // while the tensor cores compute S^T and dP^T. Lanes g and g ^ 1 hold the other half of both calls'
-      // entries: each makes one call, and they swap the bits.
+      // entries: each makes one call, and they swap the bits. Shifted by this lane's key parity c % 2 = g % 2, the
+      // bit of entry (nt, e) is at slot 4 (e / 2) + 2 (nt % 2), known at compile time.
       uint32_t keep[NQ / 16][2];
       if (DROPOUT)
         for (int n = 0; n < NQ / 16; n++) {
           const uint32_t mine = sc.dropout.keep_bits(row0 + q(2 * n, g % 2), c), other = __shfl_xor_sync(~0u, mine, 4);
-          keep[n][0] = g % 2 ? other : mine, keep[n][1] = g % 2 ? mine : other;
+          keep[n][0] = (g % 2 ? other : mine) >> g % 2, keep[n][1] = (g % 2 ? mine : other) >> g % 2;
         }
-      auto Z = [&](int nt, int e) {
-        return sc.dropout.Z(keep[nt / 2][e % 2], Dropout::slot(row0 + q(nt, e), c + 8 * (e / 2)));
+      auto drop = [&](float& x, int nt, int e) {  // x, or 0 where dropped: bit 4 (e / 2) + 2 (nt % 2) moved to 31, spread
+        x = __int_as_float(__float_as_int(x) & int(keep[nt / 2][e % 2] << (31 - 4 * (e / 2) - 2 * (nt % 2))) >> 31);
       };
       wgmma_wait<2>(S);
       if (sc.plain()) {
@@ -2281,7 +2307,7 @@ flash_bwd_hopper(const __grid_constant__ CUtensorMap Q_map, const __grid_constan
       for (int nt = 0; nt < NQ / 8; nt++)
 #pragma unroll
         for (int e = 0; e < 4; e++) {
-          if (DROPOUT) dP[nt][e] *= Z(nt, e);
+          if (DROPOUT) drop(dP[nt][e], nt, e);
           if (sc.plain()) {
             dP[nt][e] = S[nt][e] * (dP[nt][e] - D_i[q(nt, e)]);
           } else {
@@ -2290,7 +2316,7 @@ flash_bwd_hopper(const __grid_constant__ CUtensorMap Q_map, const __grid_constan
                                         S[nt][e], dP[nt][e]);
             if (r >= N_q) S[nt][e] = dP[nt][e] = 0.f;
           }
-          if (DROPOUT) S[nt][e] *= Z(nt, e);
+          if (DROPOUT) drop(S[nt][e], nt, e);
         }
     };
     // P_ij^T and dS_ij^T into buffer i % 2 (last read by block i-2's products, done on both consumers), then
@@ -2325,8 +2351,8 @@ flash_bwd_hopper(const __grid_constant__ CUtensorMap Q_map, const __grid_constan
     issue_dV_dK(i_end - 1);
     wgmma_wait<0>(dV_j, dK_j);
     release(i_end - 1);
-    store_rows<T, ND>(dK.head().cols(n0), dK_j, c, t, N_k, scale);             // l.18: write dK_j, dV_j
-    store_rows<T, ND>(dV.head().cols(n0), dV_j, c, t, N_k, 1.f);
+    store_rows<T, ND>(dK.head().cols(n0), dK_j, c, t, N_k, dS_scale);          // l.18: write dK_j, dV_j
+    store_rows<T, ND>(dV.head().cols(n0), dV_j, c, t, N_k, dropout_scale);
   }
 #endif
 }
