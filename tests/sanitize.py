@@ -14,7 +14,8 @@ N in (1, 37, 130) (one row; one ragged block; several blocks and a ragged last o
 on transposed views, read through their strides), and unequal lengths with grouped-query attention (SHAPES);
 at the other tile widths, a ragged causal GQA shape and a split-KV decoding one. At d = 64 also every mask and
 score modification at once (window, softcap, ALiBi), and a packed batch (flash_attention_varlen) whose
-sequences have no queries, no keys, one token or ragged blocks. Racecheck, the slow one, uses N = 130 only. It prints one line per tool, the output tail of any tool that reported something, and exits
+sequences have no queries, no keys, one token or ragged blocks, each also with dropout and the deterministic
+backward (the -DDROPOUT=1 and -DDETERMINISTIC=1 builds). Racecheck, the slow one, uses N = 130 only. It prints one line per tool, the output tail of any tool that reported something, and exits
 1 if any did. (pytest collects test_*.py only, so this file is not a test.)
 """
 import argparse
@@ -89,14 +90,16 @@ def run_masks_and_varlen(kernel, dtype):
     slopes = torch.rand(4, device="cuda")
     scores = dict(window=(20, 5), softcap=5.0, alibi_slopes=slopes)
     q, k, v = (torch.randn(1, H, N, 64, device="cuda", dtype=dtype) for H, N in ((4, 130), (2, 37), (2, 37)))
-    grads(lambda q, k, v: main.flash_attention(q, k, v, causal=True, kernel=kernel, **scores), q, k, v)
+    dropout = dict(dropout_p=0.2, dropout_seed=1, deterministic=True)
+    for extra in ({}, dropout):
+        grads(lambda q, k, v: main.flash_attention(q, k, v, causal=True, kernel=kernel, **scores, **extra), q, k, v)
     lengths_q, lengths_k = [1, 37, 0, 130, 5], [37, 1, 5, 130, 0]
     cu_q, cu_k = (torch.tensor([0, *n], device="cuda").cumsum(0).to(torch.int32) for n in (lengths_q, lengths_k))
     q, k, v = (torch.randn(int(cu[-1]), H, 64, device="cuda", dtype=dtype) for H, cu in ((4, cu_q), (2, cu_k), (2, cu_k)))
-    for causal, extra in ((False, {}), (True, scores)):
+    for causal, extra in ((False, {}), (True, scores), (True, dict(scores, **dropout))):
         grads(lambda q, k, v: main.flash_attention_varlen(q, k, v, cu_q, cu_k, 130, 130, causal, kernel=kernel,
                                                           **extra), q, k, v)
-    return 3
+    return 5
 
 
 def find_sanitizer():
