@@ -492,9 +492,10 @@ flash_fwd_fp32(Rows<const float> Q, Rows<const float> K, Rows<const float> V, Ro
 //   dK_j, dV_j  (B_c, d):   rows ty*TC + c, columns col(tx, e)       (kept in registers across all i)
 //   dQ_i        (B_r, d):   rows ty*TM + m, columns col(tx, e)
 // dQ is accumulated with fp32 atomicAdd, as in FlashAttention-2: dQ_i receives one term from every key
-// block, and those blocks run concurrently. The alternative, a second kernel with query blocks outer,
-// is deterministic but recomputes S_ij and dP_ij (7 block products instead of 5). The price of atomics:
-// the order of the additions, and so the last bits of dQ, can change from run to run.
+// block, and those blocks run concurrently. The price of atomics: the order of the additions, and so the
+// last bits of dQ, can change from run to run. The alternative, a second kernel with query blocks outer
+// (flash_bwd_dq_fp32, deterministic=True), gives the same bits every run but recomputes S_ij and dP_ij (7 block
+// products instead of 5).
 template <int d, int B_r, int B_c>
 __global__ void __launch_bounds__(128)
 flash_bwd_fp32(Rows<const float> Q, Rows<const float> K, Rows<const float> V, Rows<const float> dO,
@@ -595,8 +596,8 @@ flash_bwd_fp32(Rows<const float> Q, Rows<const float> K, Rows<const float> V, Ro
 // fp32 dQ without atomics (deterministic=True): l.15 with the loops the other way round, query blocks
 // outer as in Algorithm 1. Grid (T_r, H_q, B): one block per query block Q_i, looping over the key blocks;
 // each dQ_i is summed by one block in one order, so two runs give the same bits, and written once, in the
-// input's dtype (no fp32 accumulator). It recomputes S_ij and dP_ij, which the dK_j, dV_j kernel (run with
-// dQ = nullptr) computes too: 7 block products instead of 5. Threads as in the forward: (ty, tx) owns rows
+// input's dtype (no fp32 accumulator). It recomputes S_ij and dP_ij, which flash_bwd_fp32 (in the DETERMINISTIC
+// build, without its dQ) computes too: 7 block products instead of 5. Threads as in the forward: (ty, tx) owns rows
 // ty*TM + m and columns tx + 16*n of S_ij, dP_ij and dS_ij, and columns col(tx, e) of dQ_i.
 template <int d, int B_r, int B_c>
 __global__ void __launch_bounds__(128)
@@ -2287,7 +2288,8 @@ flash_bwd_hopper(const __grid_constant__ CUtensorMap Q_map, const __grid_constan
           const uint32_t mine = sc.dropout.keep_bits(row0 + q(2 * n, g % 2), c), other = __shfl_xor_sync(~0u, mine, 4);
           keep[n][0] = (g % 2 ? other : mine) >> g % 2, keep[n][1] = (g % 2 ? mine : other) >> g % 2;
         }
-      auto drop = [&](float& x, int nt, int e) {  // x, or 0 where dropped: bit 4 (e / 2) + 2 (nt % 2) moved to 31, spread
+      // x, or 0 where dropped: bit 4 (e / 2) + 2 (nt % 2) moved to bit 31 and spread over the word
+      auto drop = [&](float& x, int nt, int e) {
         x = __int_as_float(__float_as_int(x) & int(keep[nt / 2][e % 2] << (31 - 4 * (e / 2) - 2 * (nt % 2))) >> 31);
       };
       wgmma_wait<2>(S);
