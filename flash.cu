@@ -272,6 +272,15 @@ struct Dropout {
     for (int w = 0; w < 4; w++) bits |= (words[w] & 1u) << 2 * w | (words[w] >> 31) << (2 * w + 1);
     return bits;
   }
+  // The backward kernels' transposed tiles: a lane holds keys c and c + 8 (c % 16 < 8) of queries q0 + x and
+  // q0 + x + 8 (x = 0, 1; q0 % 16 < 8, even), half of two calls' entries; lanes g and g ^ 1 (keys c and c ^ 1) hold
+  // the other half. Each makes one of the two calls and they swap the bits (lane ^ 4), which each then shifts by
+  // its key parity: bit 4 (key half) + 2 (query half) of keep[x]. Whole warps only.
+  __device__ void keep_bits_transposed(uint32_t (&keep)[2], int q0, int c) const {
+    const int odd = c % 2;
+    const uint32_t mine = keep_bits(q0 + odd, c), other = __shfl_xor_sync(~0u, mine, 4);
+    keep[0] = (odd ? other : mine) >> odd, keep[1] = (odd ? mine : other) >> odd;
+  }
   __device__ float Z(uint32_t bits, int slot) const { return bits >> slot & 1 ? scale : 0.f; }  // Z_ij
   __device__ float Z(int r, int c) const { return Z(keep_bits(r, c), slot(r, c)); }  // one entry alone
 };
@@ -483,6 +492,28 @@ flash_fwd_fp32(Rows<const float> Q, Rows<const float> K, Rows<const float> V, Ro
   }
 }
 
+// Alg.2 l.10, l.13, l.11 and l.14 for this thread's (TM, TN) tile of block pair (i, j) in the fp32 kernels'
+// layout (queries row0 + ty*TM + m, keys col0 + tx + 16*n): S_ij and dP_ij on CUDA cores, then, through Scores'
+// steps and dropout, store(m, n, P_ij o Z_ij, dS_ij = P_ij o (dP_ij o Z_ij - D_i)) for each entry (P_ij o Z_ij:
+// what dV_j takes). The fp32 backward and its dQ pass take this step in their two loop orders.
+template <int TM, int TN, int d, typename Store>
+__device__ void bwd_P_and_dS_fp32(const float* Q_s, const float* K_s, const float* dO_s, const float* V_s, int ld,
+                                  int tx, int ty, const Scores& sc, int row0, int col0, float slope,
+                                  const float (&L_i)[TM], const float (&D_i)[TM], Store store) {
+  float S_ij[TM][TN] = {}, dP_ij[TM][TN] = {};
+  thread_tile_XYt<TM, TN, d>(S_ij, Q_s, K_s, ld, tx, ty);                  // l.10: S_ij = Q_i K_j^T
+  thread_tile_XYt<TM, TN, d>(dP_ij, dO_s, V_s, ld, tx, ty);                // l.13: dP_ij = dO_i V_j^T
+  for (int m = 0; m < TM; m++)
+    for (int n = 0; n < TN; n++) {
+      const int r = row0 + ty * TM + m, c = col0 + tx + 16 * n;
+      // dropout: dV_j takes P_ij o Z_ij, and dS_ij takes dP_ij o Z_ij (the first paper's Algorithm 4)
+      const float Z = DROPOUT ? sc.dropout.Z(r, c) : 1.f;
+      float P, dS;  // l.11: P_ij = exp(S_ij - L_i);  l.14: dS_ij = P o (dP - D_i), through Scores' steps
+      sc.probability_and_gradient<true>(S_ij[m][n], r, c, slope, L_i[m], dP_ij[m][n] * Z - D_i[m], P, dS);
+      store(m, n, P * Z, dS);
+    }
+}
+
 // ------------------------------------------------------------------------------------------------------
 // fp32 backward: FlashAttention-2, Algorithm 2.
 // Grid (T_c, H_q, B): one block per key block K_j, V_j of one query head; it loops over the query blocks Q_i.
@@ -535,19 +566,13 @@ flash_bwd_fp32(Rows<const float> Q, Rows<const float> K, Rows<const float> V, Ro
     }
     __syncthreads();  // Q_i, dO_i (and K_j, V_j on the first pass) are in shared memory
 
-    float S_ij[TM][TN] = {}, dP_ij[TM][TN] = {};
-    thread_tile_XYt<TM, TN, d>(S_ij, Q_s, K_s, ld, tx, ty);                // l.10: S_ij = Q_i K_j^T
-    thread_tile_XYt<TM, TN, d>(dP_ij, dO_s, V_s, ld, tx, ty);              // l.13: dP_ij = dO_i V_j^T
-    for (int m = 0; m < TM; m++)
-      for (int n = 0; n < TN; n++) {
-        const int r = row0 + ty * TM + m, c = col0 + tx + 16 * n;
-        // dropout: dV_j takes P_ij o Z_ij, and dS_ij takes dP_ij o Z_ij (the first paper's Algorithm 4)
-        const float Z = DROPOUT ? sc.dropout.Z(r, c) : 1.f;
-        float P, dS;  // l.11: P_ij = exp(S_ij - L_i);  l.14: dS_ij = P o (dP - D_i), through Scores' steps
-        sc.probability_and_gradient<true>(S_ij[m][n], r, c, slope, L_i[m], dP_ij[m][n] * Z - D_i[m], P, dS);
-        P_s[(ty * TM + m) * ldS + tx + 16 * n] = r < N_q ? P * Z : 0.f;
-        dS_s[(ty * TM + m) * ldS + tx + 16 * n] = r < N_q ? dS : 0.f;
-      }
+    // l.10, l.11, l.13, l.14: S_ij, P_ij, dP_ij, dS_ij, into P_s and dS_s (rows past N_q: 0, adding nothing)
+    bwd_P_and_dS_fp32<TM, TN, d>(Q_s, K_s, dO_s, V_s, ld, tx, ty, sc, row0, col0, slope, L_i, D_i,
+                                 [&](int m, int n, float P, float dS) {
+                                   const bool real = row0 + ty * TM + m < N_q;
+                                   P_s[(ty * TM + m) * ldS + tx + 16 * n] = real ? P : 0.f;
+                                   dS_s[(ty * TM + m) * ldS + tx + 16 * n] = real ? dS : 0.f;
+                                 });
     __syncthreads();  // P_ij and dS_ij are complete: the products below read columns of other threads
 
     for (int r = 0; r < B_r; r++) {             // l.12: dV_j += P_ij^T dO_i;  l.16: dK_j += dS_ij^T Q_i
@@ -634,17 +659,9 @@ flash_bwd_dq_fp32(Rows<const float> Q, Rows<const float> K, Rows<const float> V,
     load_tile<B_c, d, 128>(V_s, ld, V, j * B_c, N_k);
     __syncthreads();  // K_j, V_j (and Q_i, dO_i on the first pass) are in shared memory
 
-    float S_ij[TM][TN] = {}, dP_ij[TM][TN] = {};
-    thread_tile_XYt<TM, TN, d>(S_ij, Q_s, K_s, ld, tx, ty);                // l.10: S_ij = Q_i K_j^T
-    thread_tile_XYt<TM, TN, d>(dP_ij, dO_s, V_s, ld, tx, ty);              // l.13: dP_ij = dO_i V_j^T
-    for (int m = 0; m < TM; m++)
-      for (int n = 0; n < TN; n++) {
-        const int r = row0 + ty * TM + m, c = j * B_c + tx + 16 * n;
-        const float Z = DROPOUT ? sc.dropout.Z(r, c) : 1.f;  // dropout: dS_ij takes dP_ij o Z_ij
-        float P, dS;  // l.11: P_ij = exp(S_ij - L_i);  l.14: dS_ij = P o (dP - D_i), through Scores' steps
-        sc.probability_and_gradient<true>(S_ij[m][n], r, c, slope, L_i[m], dP_ij[m][n] * Z - D_i[m], P, dS);
-        dS_s[(tx + 16 * n) * ldS + ty * TM + m] = dS;
-      }
+    // l.10, l.11, l.13, l.14: S_ij, P_ij, dP_ij, dS_ij, with dS_ij^T into dS_s
+    bwd_P_and_dS_fp32<TM, TN, d>(Q_s, K_s, dO_s, V_s, ld, tx, ty, sc, row0, j * B_c, slope, L_i, D_i,
+                                 [&](int m, int n, float, float dS) { dS_s[(tx + 16 * n) * ldS + ty * TM + m] = dS; });
     __syncthreads();  // all of dS_ij is written: each thread now reads columns that other threads produced
 
     for (int c = 0; c < B_c; c++) {                                        // l.15: dQ_i += dS_ij K_j
@@ -1351,19 +1368,13 @@ flash_bwd_ampere(Rows<const T> Q, Rows<const T> K, Rows<const T> V, Rows<const T
       }
     }
     const bool edge = mask.any(row0, B_r, col0, B_c) | (row0 + B_r > N_q);  // any entry to zero?
-    // dropout: the keep bits of queries 8nt + 2t and + 1 with keys c, c + 8 (nt even; nt + 1 shares them). Lanes g
-    // and g ^ 1 hold the other half of both calls' entries: each makes one call, and they swap the bits. Shifted
-    // by this lane's key parity g % 2, the bit of entry (nt, e) is at slot 4 (e / 2) + 2 (nt % 2).
-    uint32_t keep[2];
+    uint32_t keep[2];  // dropout: of queries 8nt + 2t, + 1 (nt even, and nt + 1) with keys c, c + 8
+
 #pragma unroll
     for (int nt = 0; nt < B_r / 8; nt++) {
       const float2 L_r = *reinterpret_cast<const float2*>(&L_i[8 * nt + 2 * t]);  // queries 8nt + 2t, + 1
       const float2 D_r = *reinterpret_cast<const float2*>(&D_i[8 * nt + 2 * t]);
-      if (DROPOUT && nt % 2 == 0) {
-        const uint32_t mine = sc.dropout.keep_bits(row0 + 8 * nt + 2 * t + g % 2, col0 + 16 * warp + g);
-        const uint32_t other = __shfl_xor_sync(~0u, mine, 4);
-        keep[0] = (g % 2 ? other : mine) >> g % 2, keep[1] = (g % 2 ? mine : other) >> g % 2;
-      }
+      if (DROPOUT && nt % 2 == 0) sc.dropout.keep_bits_transposed(keep, row0 + 8 * nt + 2 * t, col0 + 16 * warp + g);
 #pragma unroll
       for (int e = 0; e < 4; e++) {  // entry (key c, query r) of P^T and dS^T
         const int c = col0 + 16 * warp + g + 8 * (e / 2), r = row0 + 8 * nt + 2 * t + e % 2;
@@ -2275,19 +2286,13 @@ flash_bwd_hopper(const __grid_constant__ CUtensorMap Q_map, const __grid_constan
       const float* L_i = reinterpret_cast<const float*>(__cvta_shared_to_generic(LD_s(stage(i)))) + q0;
       const float* D_i = L_i + B_r;
       auto q = [&](int nt, int e) { return 8 * nt + 2 * t + e % 2; };  // the query, from row0
-      // dropout: dS_ij takes dP_ij o Z_ij, and dV_j takes P_ij o Z_ij (the first paper's Algorithm 4). With Z_ij
-      // = s keep_ij (s = 1 / (1 - p)), dS_ij = s P_ij o (dP_ij o keep_ij - D_i / s): the kernel zeroes dropped
-      // entries by masking their bits, reads D_i / s (copy_L_D), and leaves s to dK_j, dQ_i and dV_j. keep[n]:
-      // the bits of queries q(2n, 0) and q(2n, 1) with keys c and c + 8 (and of 2n + 1, which share them), drawn
-      // while the tensor cores compute S^T and dP^T. Lanes g and g ^ 1 hold the other half of both calls'
-      // entries: each makes one call, and they swap the bits. Shifted by this lane's key parity c % 2 = g % 2, the
-      // bit of entry (nt, e) is at slot 4 (e / 2) + 2 (nt % 2), known at compile time.
+      // dropout (the first paper's Algorithm 4): with Z_ij = s keep_ij, s = 1 / (1 - p), dS_ij = s P_ij o (dP_ij o
+      // keep_ij - D_i / s): dropped entries are zeroed by masking their bits, D_i / s comes from copy_L_D, and s is
+      // left to the stores. The bits are drawn while the tensor cores compute S^T and dP^T; keep[n]: nt = 2n, 2n + 1.
       uint32_t keep[NQ / 16][2];
       if (DROPOUT)
-        for (int n = 0; n < NQ / 16; n++) {
-          const uint32_t mine = sc.dropout.keep_bits(row0 + q(2 * n, g % 2), c), other = __shfl_xor_sync(~0u, mine, 4);
-          keep[n][0] = (g % 2 ? other : mine) >> g % 2, keep[n][1] = (g % 2 ? mine : other) >> g % 2;
-        }
+#pragma unroll
+        for (int n = 0; n < NQ / 16; n++) sc.dropout.keep_bits_transposed(keep[n], row0 + q(2 * n, 0), c);
       // x, or 0 where dropped: bit 4 (e / 2) + 2 (nt % 2) moved to bit 31 and spread over the word
       auto drop = [&](float& x, int nt, int e) {
         x = __int_as_float(__float_as_int(x) & int(keep[nt / 2][e % 2] << (31 - 4 * (e / 2) - 2 * (nt % 2))) >> 31);
