@@ -13,6 +13,9 @@
     python bench.py --dropout 0.1 --seqlens 2048,8192 --modes fwd,fwd_bwd --kernels hopper,sdpa-flash \
         --out docs/benchmarks/dropout --markdown docs/benchmarks-dropout.md  # attention dropout, in the kernels
     python bench.py --deterministic --modes bwd,fwd_bwd --kernels ampere,hopper   # dQ without atomics
+    python bench.py --kernels hopper,ampere,sdpa-flash,sdpa-cudnn,fp8,fp8-kernel,fp8-vt-kernel,int8,int8-kernel \
+        --modes fwd --dtype bf16 --seqlens 1024,4096,16384 --out docs/benchmarks/8bit \
+        --markdown docs/benchmarks-8bit.md     # 8-bit attention against the 16-bit kernels
 
 --window W gives every query the W keys before it (and, unless causal, the W after it): flash_attention's
 window=(W, W), or (W, 0) when causal; SDPA and manual attention get the same mask as an N x N attn_mask, which is
@@ -40,7 +43,7 @@ import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import reference
-from main import build, flash_attention, list_kernels, tile_dim, time_ms
+from main import build, flash_attention, flash_attention_8bit, list_kernels, quantize, tile_dim, time_ms
 
 # FlashAttention's own benchmark shapes: tokens (B*N) and model width (H*d) stay fixed as N and d grow.
 TOKENS, WIDTH = 16384, 2048
@@ -55,6 +58,13 @@ SDPA = {"sdpa": None, "sdpa-flash": "FLASH_ATTENTION", "sdpa-efficient": "EFFICI
 # Largest error allowed (see max_error). PyTorch's fused kernels reached 1e-2 (fp16) and 2e-1 (bf16, dq of
 # causal N=65536) on an H200; bf16 gets 8x for 3 fewer mantissa bits. A real bug (a wrong row) gives 0.5 and more.
 TOLERANCE = {"fp16": 5e-2, "bf16": 4e-1, "fp32": 1e-3}
+# 8-bit attention (flash_attention_8bit), forward only, fp16/bf16 in and out: system: (dtype, transpose_v, timed).
+# "fp8" times quantize() and the kernel, as a call on fp16/bf16 tensors runs; "fp8-kernel" the kernel alone, on
+# inputs quantized once (a KV cache kept in 8 bits); "-vt": V quantized transposed, so that the kernel need not.
+EIGHT_BIT = {"fp8": (torch.float8_e4m3fn, False, "all"), "fp8-kernel": (torch.float8_e4m3fn, False, "kernel"),
+             "fp8-vt": (torch.float8_e4m3fn, True, "all"), "fp8-vt-kernel": (torch.float8_e4m3fn, True, "kernel"),
+             "int8": (torch.int8, False, "all"), "int8-kernel": (torch.int8, False, "kernel")}
+EIGHT_BIT_TOLERANCE = 0.4  # their rounding reached 0.17 of a row's scale (fp8, d = 64); a wrong layout gives about 1
 # Dense peak TFLOP/s from NVIDIA's data sheets (tensor cores with fp32 sums; CUDA cores for fp32, TF32 off). A key's
 # words must each be a whole word of the GPU's name ("A100 80GB" matches "NVIDIA A100-SXM4-80GB"); the first key
 # that matches wins, so specific names come first ("A10" is not "A100", "A10G").
@@ -141,12 +151,14 @@ def comma_list(item_type=str, choices=None):
 
 def parse_args(argv):
     systems = ["manual", *(kernel["name"] for kernel in list_kernels()), *SDPA]  # in run order: manual is the unit
+    eight_bit = list(EIGHT_BIT)  # (only when named: forward only, fp16/bf16)
     split_kv = [kernel["name"] for kernel in list_kernels() if kernel["split_kv"]]  # ours that decode
     decode_systems = [*split_kv, *DECODE_SDPA, "manual"]  # manual last: it needs the most memory
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0], epilog="Examples: the top of bench.py.")
     add = parser.add_argument
     add("--quick", action="store_true", help=" ".join(QUICK) + " (flags given win)")
-    add("--kernels", type=comma_list(str, systems), metavar="LIST", help="default: all of " + ",".join(systems))
+    add("--kernels", type=comma_list(str, systems + eight_bit), metavar="LIST",
+        help="default: all of " + ",".join(systems) + "; also " + ",".join(eight_bit) + " (8-bit, see EIGHT_BIT)")
     add("--dtype", type=comma_list(str, DTYPES), metavar="LIST", help="default: fp16,bf16,fp32 (--decode: fp16,bf16)")
     add("--causal", choices=["on", "off", "both"], default="both", help="default: %(default)s")
     add("--d", type=comma_list(int), metavar="LIST", default="64,128", help="head dims (default: %(default)s)")
@@ -187,7 +199,8 @@ def parse_args(argv):
         if set(args.kernels or []) - set(decode_systems):
             parser.error(f"--decode runs only {','.join(decode_systems)}")
         systems = decode_systems
-    args.systems = [system for system in systems if args.kernels is None or system in args.kernels]
+    args.systems = [system for system in systems + eight_bit * (not args.decode)
+                    if (args.kernels is None and system not in eight_bit) or system in (args.kernels or [])]
     return args
 
 
@@ -233,6 +246,17 @@ def attention_fn(system, causal, scale, window=(-1, -1), dropout=0.0, determinis
             return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale,
                                                                     dropout_p=dropout)
         return sdpa_windowed
+    if system in EIGHT_BIT:
+        dtype, transpose_v, timed = EIGHT_BIT[system]
+        quantized = {}  # "kernel": the inputs quantized on the first call (the check), reused by the timed calls
+
+        def eight_bit(q, k, v):
+            if timed == "all":
+                return flash_attention_8bit(q, k, v, causal, scale, window, dtype=dtype, transpose_v=transpose_v)
+            if "x" not in quantized:
+                quantized["x"] = quantize(q, k, v, dtype, transpose_v=transpose_v)
+            return flash_attention_8bit(quantized["x"], causal=causal, softmax_scale=scale, window=window)
+        return eight_bit
     if system in SDPA:  # enable_gqa: k, v have fewer heads than q (decoding); without it SDPA refuses them
         return lambda q, k, v: torch.nn.functional.scaled_dot_product_attention(
             q, k, v, is_causal=causal, scale=scale, enable_gqa=k.shape[1] < q.shape[1], dropout_p=dropout)
@@ -316,6 +340,10 @@ def bench_problem(problem, kernels, args, peak):
             row = dict.fromkeys(ROW_FIELDS) | problem | {"layout": layout, "mode": mode, "system": system}
             if mode != "fwd" and system in kernels and kernels[system]["backward_kernel"] not in fits:
                 row.update(status="unsupported", note=f"no {dtype} backward kernel (main.py would upcast to fp32)")
+            elif system in EIGHT_BIT and (mode != "fwd" or dtype == "fp32" or d > 128):
+                row.update(status="unsupported", note="8-bit attention: forward only, fp16/bf16, d <= 128")
+            elif system in EIGHT_BIT:
+                row.update(measure(system, views, refs, mode, causal, scale, EIGHT_BIT_TOLERANCE, args, window))
             else:
                 row.update(measure(system, views, refs, mode, causal, scale, TOLERANCE[dtype], args, window))
             rows.append(row)
@@ -606,6 +634,12 @@ def write_markdown(path, metadata, rows, figures, results, render_command):
     if any(row.get("dropout") for row in rows):
         lines += ["Dropout (`--dropout P`): every system drops each entry of P with probability P; SDPA and manual",
                   "attention draw their own masks, so their rows are timed but not checked (max error empty).", ""]
+    if any(row["system"] in EIGHT_BIT for row in rows):
+        lines += ["8-bit systems (`flash_attention_8bit`, forward only): fp8 (e4m3 wgmma, Hopper) and int8 (s8 mma.sync for",
+                  "Q K^T, P V in 16 bits). `fp8`, `int8`: quantize() and the kernel, as a call on fp16/bf16 tensors runs;",
+                  "`-kernel`: the kernel alone on inputs quantized once; `-vt`: V quantized already transposed. TFLOP/s",
+                  "counts the same FLOPs as the 16-bit rows (and %peak uses the 16-bit peak); max err is against float32",
+                  "attention, where 8-bit rounding reaches a few % of a row's scale (docs/accuracy.md).", ""]
     if any(row.get("deterministic") for row in rows):
         lines += ["`--deterministic`: our backward computes dQ without atomics (flash_attention(deterministic=True)).",
                   ""]

@@ -25,7 +25,7 @@ import sys
 import time
 import warnings
 from concurrent.futures import ThreadPoolExecutor
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import torch
 
@@ -636,6 +636,154 @@ def flash_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
                            *window, scale, softcap, alibi_slopes, kernel, float(dropout_p),
                            _dropout_key(dropout_p, dropout_seed, q.device), deterministic)
     return (o, L) if return_lse else o
+
+
+# ---------------------------------------------------------------------------------------------------------
+# 8-bit attention, forward only (inference): flash.cu's section 8. quantize() makes the 8-bit inputs, with one scale
+# per QUANT_ROWS rows of a head; flash_attention_8bit runs the fp8 kernel (hopper_fp8: e4m3 wgmma, sm_90) or the int8
+# one (ampere_int8: s8 mma.sync for S = Q K^T, P V in fp16/bf16, sm_80+). Each is its own extension per tile width
+# (64 or 128: d is padded up to it), built on first use.
+
+EIGHT_BIT = {torch.float8_e4m3fn: "hopper_fp8", torch.int8: "ampere_int8"}
+EIGHT_BIT_HEAD_DIMS = (64, 128)
+QUANT_ROWS = int(re.search(r"constexpr int QUANT_ROWS = (\d+);", open(os.path.join(ROOT, "flash.cu")).read()).group(1))
+
+
+class Quantized(NamedTuple):
+    """8-bit q, k (and v, for fp8) with their scales, as quantize() returns them: x = scale * x_hat per block of
+    QUANT_ROWS rows of a head. q, k: (B, H, N, D) int8 or float8_e4m3fn, D the tile width (64 or 128, the columns
+    past d zero); v: fp8, (B, H_kv, N_k, D), or (B, H_kv, D, N_pad) if v_transposed (keys in the kernel's order,
+    flash.cu's key_position); int8, v itself (fp16/bf16, padded). q_scale, k_scale, v_scale: (B, H, ceil(N /
+    QUANT_ROWS)) float32 (v_scale None for int8). d: the head dim before padding; out_dtype: the output's dtype."""
+    q: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    q_scale: torch.Tensor
+    k_scale: torch.Tensor
+    v_scale: Optional[torch.Tensor]
+    v_transposed: bool
+    d: int
+    out_dtype: torch.dtype
+
+
+def _eight_bit_kernel(dtype, device):
+    if dtype not in EIGHT_BIT:
+        raise ValueError(f"dtype must be torch.float8_e4m3fn or torch.int8, got {dtype}")
+    kernel, arch = EIGHT_BIT[dtype], _arch(device)
+    if dtype == torch.float8_e4m3fn and not (arch == 90 and _builds_sm90a()):
+        raise ValueError(f"fp8 attention needs an sm_90 GPU (Hopper) and an sm_90a build; this is sm_{arch}")
+    if dtype == torch.int8 and arch < 80:
+        raise ValueError(f"int8 attention needs sm_80 or newer; this is sm_{arch}")
+    return kernel
+
+
+@torch.library.custom_op("flash::quantize", mutates_args=())
+def _quantize(x: torch.Tensor, mean: Optional[torch.Tensor], signs: Optional[torch.Tensor], fp8: bool,
+              transpose: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """x (B, H, N, D) -> x_hat and its scales (flash.cu's quantize)."""
+    kernel = _eight_bit_kernel(torch.float8_e4m3fn if fp8 else torch.int8, x.device)  # (here: torch.compile runs it)
+    with torch.cuda.device(x.device):
+        return load(kernel, x.shape[-1]).quantize(
+            x, mean, signs, transpose, _stream(x))
+
+
+@_quantize.register_fake
+def _(x, mean, signs, fp8, transpose):
+    B, H, N, D = x.shape
+    T = (N + QUANT_ROWS - 1) // QUANT_ROWS
+    dtype = torch.float8_e4m3fn if fp8 else torch.int8
+    return x.new_empty((B, H, D, T * QUANT_ROWS) if transpose else (B, H, N, D), dtype=dtype), x.new_empty(
+        (B, H, T), dtype=torch.float32)
+
+
+@torch.library.custom_op("flash::forward_8bit", mutates_args=())
+def _forward_8bit(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_scale: torch.Tensor, k_scale: torch.Tensor,
+                  v_scale: Optional[torch.Tensor], v_transposed: bool, window_left: int, window_right: int,
+                  scale: float, bf16: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """O (B, H_q, N_q, D) and L of quantized inputs (flash.cu's 8-bit forward)."""
+    with torch.cuda.device(q.device):
+        return load(EIGHT_BIT[q.dtype], q.shape[-1]).forward(q, k, v, q_scale, k_scale, v_scale, v_transposed,
+                                                             window_left, window_right, scale, bf16, _stream(q))
+
+
+@_forward_8bit.register_fake
+def _(q, k, v, q_scale, k_scale, v_scale, v_transposed, window_left, window_right, scale, bf16):
+    return (q.new_empty(q.shape, dtype=torch.bfloat16 if bf16 else torch.float16),
+            q.new_empty(q.shape[:-1], dtype=torch.float32))
+
+
+def rotation_signs(D, seed=0, device="cuda"):
+    """The random signs (D,) float32 of quantize's rotation H = diag(signs) Hadamard / sqrt(D), from seed: the top
+    bit of a multiplicative hash of (seed, column), plain tensor arithmetic that torch.compile traces."""
+    x = (torch.arange(D, device=device, dtype=torch.int64) + seed * 0x10001) * 0x9E3779B1 % 2**32
+    return 1.0 - 2.0 * (x >> 31).float()
+
+
+def quantize(q, k, v, dtype=torch.float8_e4m3fn, rotate=False, smooth_k=None, transpose_v=False, seed=0):
+    """q, k, v (fp16/bf16, flash_attention's shapes, d <= 128) as 8-bit inputs of flash_attention_8bit: a Quantized.
+    dtype: torch.float8_e4m3fn (Hopper: q, k and v in e4m3) or torch.int8 (sm_80+: q and k in int8, v kept).
+    rotate: q and k times one random orthogonal H = diag(signs) Hadamard / sqrt(D) (signs from seed), which leaves
+    q k^T unchanged and spreads outlier channels (FlashAttention-3's incoherent processing). smooth_k (default: on
+    for int8): k minus its mean over the keys, which the softmax cancels. transpose_v (fp8): v written transposed,
+    so that the kernel need not transpose it. One fused kernel per tensor (a second pass, for k's mean, if smoothed)."""
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor) or t.dim() != 4:
+            raise ValueError(f"{name} must be a 4-dimensional tensor (B, H, N, d), got "
+                             + (f"shape {tuple(t.shape)}" if isinstance(t, torch.Tensor) else type(t).__name__))
+        if t.dtype not in (torch.float16, torch.bfloat16):
+            raise TypeError(f"8-bit attention quantizes float16 or bfloat16 inputs; {name} is {t.dtype}")
+    _check_inputs(q, k, v, False, None, "auto", False)
+    if dtype not in EIGHT_BIT:
+        raise ValueError(f"dtype must be torch.float8_e4m3fn or torch.int8, got {dtype}")
+    if q.shape[-1] > max(EIGHT_BIT_HEAD_DIMS):
+        raise ValueError(f"8-bit attention takes head dims up to {max(EIGHT_BIT_HEAD_DIMS)}, got d = {q.shape[-1]}")
+    for name, flag in (("rotate", rotate), ("transpose_v", transpose_v)):
+        if not isinstance(flag, bool):
+            raise TypeError(f"{name} must be True or False, got {flag!r}")
+    if transpose_v and dtype != torch.float8_e4m3fn:
+        raise ValueError("transpose_v is for fp8 (the int8 kernel keeps v in fp16/bf16, read as stored)")
+    smooth_k = dtype == torch.int8 if smooth_k is None else smooth_k
+    fp8, d = dtype == torch.float8_e4m3fn, q.shape[-1]
+    D = min(D for D in EIGHT_BIT_HEAD_DIMS if D >= d)
+    q_, k_, v_ = (_readable(_padded(t, D)) for t in (q, k, v))
+    signs = rotation_signs(D, seed, q.device) if rotate else None
+    mean = k_.float().mean(2).contiguous() if smooth_k and k.shape[2] > 0 else None
+    q8, q_scale = _quantize(q_, None, signs, fp8, False)
+    k8, k_scale = _quantize(k_, mean, signs, fp8, False)
+    v8, v_scale = _quantize(v_, None, None, True, transpose_v) if fp8 else (v_, None)
+    return Quantized(q8, k8, v8, q_scale, k_scale, v_scale, transpose_v, d, q.dtype)
+
+
+def flash_attention_8bit(q, k=None, v=None, causal=False, softmax_scale=None, window=(-1, -1),
+                         dtype=torch.float8_e4m3fn, rotate=False, smooth_k=None, transpose_v=False):
+    """Attention with 8-bit products, forward only (inference): O (B, H_q, N_q, d) in q's dtype. q, k, v as
+    flash_attention's (float16 or bfloat16, d <= 128, requires_grad off), quantized here by quantize(q, k, v, dtype,
+    rotate, smooth_k, transpose_v); or q a Quantized from quantize() (k, v None), to quantize once and reuse.
+    causal, softmax_scale, window: as flash_attention's (the default scale from the unpadded d). dtype:
+    torch.float8_e4m3fn (Hopper) or torch.int8 (sm_80+). Errors: docs/accuracy.md."""
+    if isinstance(q, Quantized):
+        if k is not None or v is not None:
+            raise ValueError("pass either q, k, v or one Quantized (from quantize()), not both")
+        x = q
+    else:
+        for name, t in (("q", q), ("k", k), ("v", v)):
+            if isinstance(t, torch.Tensor) and t.requires_grad and torch.is_grad_enabled():
+                raise ValueError(f"flash_attention_8bit is forward only (inference) and has no gradient, but {name} "
+                                 "requires grad: call it under torch.no_grad() or pass detached tensors")
+        x = quantize(q, k, v, dtype, rotate, smooth_k, transpose_v)
+    _check_scores(x.q, window, None, 0.0, x.q.shape[0])
+    if not isinstance(causal, bool):
+        raise TypeError(f"causal must be True or False, got {causal!r}")
+    if softmax_scale is not None and (isinstance(softmax_scale, bool) or not isinstance(softmax_scale, (int, float))
+                                      or not math.isfinite(softmax_scale)):
+        raise ValueError(f"softmax_scale must be None or a finite number, got {softmax_scale!r}")
+    scale = 1.0 / math.sqrt(x.d) if softmax_scale is None else float(softmax_scale)
+    (left, right), _, _ = _options(causal, window, None, 0.0)
+    if x.q.shape[2] == 0 or x.k.shape[2] == 0:
+        return x.q.new_zeros(x.q.shape[:-1] + (x.d,), dtype=x.out_dtype)
+    o, _ = _forward_8bit(x.q, x.k, x.v, x.q_scale, x.k_scale, x.v_scale, x.v_transposed, left, right, scale,
+                         x.out_dtype == torch.bfloat16)
+    return o[..., :x.d] if o.shape[-1] != x.d else o
 
 
 # ---------------------------------------------------------------------------------------------------------

@@ -297,3 +297,73 @@ def attention_varlen(Q, K, V, cu_seqlens_q, cu_seqlens_k, causal=False, softmax_
                                                                (V, k[b], k[b + 1])))  # (H, N, d)
         parts.append(attention(Q_b, K_b, V_b, causal, softmax_scale, window, slopes, softcap).transpose(0, 1))
     return torch.cat(parts)                                                # (total_q, H_q, d)
+
+
+# 8-bit attention (flash.cu's section 8), forward only: the quantization the kernels' inputs get, and the
+# attention they compute, in float64 apart from the roundings to 8 bits.
+QUANT_ROWS = 128  # rows of a head per scale
+FP8_MAX, INT8_MAX = 448.0, 127.0  # the largest e4m3 value; int8's symmetric range
+
+
+def rotation(D, signs):
+    """R = diag(signs) H_D / sqrt(D), H_D Sylvester's Hadamard matrix (H_1 = 1, H_2n = [[H, H], [H, -H]]): orthogonal,
+    so (Q R)(K R)^T = Q K^T. flash_quantize applies it as log2(D) butterfly stages instead of a D x D product."""
+    H = torch.ones(1, 1, dtype=torch.float64)
+    while H.shape[0] < D:
+        H = torch.cat([torch.cat([H, H], 1), torch.cat([H, -H], 1)])
+    return torch.diag(signs.double().cpu()) @ H / math.sqrt(D)
+
+
+def key_position(c):
+    """Where V_j^T holds key c of each 16 (flash.cu's key_position): the order in which P_ij's accumulators hold
+    the keys (lane t: 2t, 2t+1, 2t+8, 2t+9), so that P_ij needs no shuffle to become an 8-bit A fragment."""
+    return 4 * (c % 8 // 2) + c % 2 + 2 * (c // 8)
+
+
+def round_8bit(x, dtype):
+    """x (already divided by its scale) rounded to the nearest value of dtype, as float64: e4m3 (3 mantissa bits,
+    saturating at 448) or int8 (integers, -127 .. 127)."""
+    if dtype == torch.int8:
+        return x.round().clamp(-INT8_MAX, INT8_MAX)
+    return x.clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn).double()
+
+
+def quantize_blocks(X, dtype, rows=QUANT_ROWS):
+    """X (B, H, N, d) -> (X_hat, s): X_hat on dtype's grid (as float64) and s (B, H, T) with X ~ s X_hat row block
+    by row block, s = max |X| / 448 (e4m3) or / 127 (int8) over each block of `rows` rows (1 where the block is 0)."""
+    B, H, N, d = X.shape
+    T = math.ceil(N / rows)
+    blocks = torch.nn.functional.pad(X.double(), (0, 0, 0, T * rows - N)).view(B, H, T, rows, d)
+    amax = blocks.abs().amax((-2, -1))
+    s = torch.where(amax > 0, amax / (FP8_MAX if dtype != torch.int8 else INT8_MAX), torch.ones_like(amax))
+    X_hat = round_8bit(blocks / s[..., None, None], dtype).view(B, H, T * rows, d)[:, :, :N]
+    return X_hat, s
+
+
+def attention_8bit(Q, K, V, dtype=torch.float8_e4m3fn, causal=False, softmax_scale=None, window=(-1, -1), signs=None,
+                   smooth_k=False):
+    """What flash_attention_8bit computes: Q and K (rotated by rotation(d, signs) if signs is given; K minus its
+    mean over the keys if smooth_k) quantized by blocks of QUANT_ROWS rows; for fp8 also V, and P = softmax rounded
+    to e4m3 after scaling by 2^8 (each row's largest entry becomes 256), as the kernel's P_ij V_j takes it; for
+    int8, V and P stay as they are (the kernel keeps them in fp16/bf16)."""
+    scale = _scale(Q, softmax_scale)
+    Q, K, V = Q.double(), K.double(), V.double()
+    if smooth_k:
+        K = K - K.mean(-2, keepdim=True)
+    if signs is not None:
+        R = rotation(Q.shape[-1], signs).to(Q.device)
+        Q, K = Q @ R, K @ R
+    dequantized = []
+    for X in (Q, K) + ((V,) if dtype != torch.int8 else ()):
+        X_hat, s = quantize_blocks(X, dtype)
+        dequantized.append(X_hat * s.repeat_interleave(QUANT_ROWS, -1)[..., :X.shape[-2], None])
+    Q, K = dequantized[:2]
+    V = dequantized[2] if dtype != torch.int8 else V
+    S = Q @ _query_heads(K, Q).transpose(-1, -2) * scale
+    N_q, N_k = S.shape[-2:]
+    S = S.masked_fill(_hidden(0, N_q, 0, N_k, S.device, N_k - N_q, _window(causal, window)), -math.inf)
+    P = torch.exp(S - S.amax(-1, keepdim=True)) * 256
+    l = P.sum(-1, keepdim=True)
+    if dtype != torch.int8:
+        P = round_8bit(P, dtype)
+    return torch.nan_to_num(P / l) @ _query_heads(V, Q)

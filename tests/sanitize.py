@@ -15,7 +15,8 @@ on transposed views, read through their strides), and unequal lengths with group
 at the other tile widths, a ragged causal GQA shape and a split-KV decoding one. At d = 64 also every mask and
 score modification at once (window, softcap, ALiBi), and a packed batch (flash_attention_varlen) whose
 sequences have no queries, no keys, one token or ragged blocks, each also with dropout and the deterministic
-backward (the -DDROPOUT=1 and -DDETERMINISTIC=1 builds). Racecheck, the slow one, uses N = 130 only. It prints one line per tool, the output tail of any tool that reported something, and exits
+backward (the -DDROPOUT=1 and -DDETERMINISTIC=1 builds). Then quantize and the 8-bit kernels (run_8bit).
+Racecheck, the slow one, uses N = 130 only. It prints one line per tool, the output tail of any tool that reported something, and exits
 1 if any did. (pytest collects test_*.py only, so this file is not a test.)
 """
 import argparse
@@ -75,6 +76,7 @@ def run_cases(lengths):
                 if d == 64:
                     cases += run_masks_and_varlen(kn["name"], getattr(torch, dtype))
             covered.append(f"{kn['name']} {dtype} d={','.join(map(str, kn['head_dims']))}")
+    cases += run_8bit(covered)
     torch.cuda.synchronize()
     print(f"cases: {cases} ({'; '.join(covered)})")  # the line the parent reads
 
@@ -100,6 +102,24 @@ def run_masks_and_varlen(kernel, dtype):
         grads(lambda q, k, v: main.flash_attention_varlen(q, k, v, cu_q, cu_k, 130, 130, causal, kernel=kernel,
                                                           **extra), q, k, v)
     return 5
+
+
+def run_8bit(covered):
+    """quantize and the 8-bit kernels (those this GPU runs) at both tile widths, V as stored and transposed, on
+    ragged GQA shapes with N_q != N_k, causal and not, one with the rotation and smoothing."""
+    cases, arch = 0, main._arch()
+    for dtype in [torch.float8_e4m3fn] * (arch == 90 and main._builds_sm90a()) + [torch.int8] * (arch >= 80):
+        for d in main.EIGHT_BIT_HEAD_DIMS:
+            for (N_q, N_k, H_q, H_kv), causal in ((SHAPES[1], True), (SHAPES[2], False), (SHAPES[0], True)):
+                q = torch.randn(1, H_q, N_q, d, device="cuda", dtype=torch.bfloat16)
+                k, v = (torch.randn(1, H_kv, N_k, d, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+                for transpose_v in (False, True) if dtype == torch.float8_e4m3fn else (False,):
+                    o = main.flash_attention_8bit(q, k, v, causal=causal, dtype=dtype, transpose_v=transpose_v,
+                                                  rotate=causal, smooth_k=causal)
+                    assert torch.isfinite(o).all(), f"non-finite output: {dtype} d={d} N_q={N_q} N_k={N_k}"
+                    cases += 1
+        covered.append(f"{main.EIGHT_BIT[dtype]} d={','.join(map(str, main.EIGHT_BIT_HEAD_DIMS))}")
+    return cases
 
 
 def find_sanitizer():

@@ -1,0 +1,174 @@
+"""8-bit attention (flash.cu's section 9): quantize() and flash_attention_8bit, fp8 on Hopper and int8 on sm_80+.
+
+An 8-bit forward is not exact, so its error against float64 attention is bounded by the error of the same
+quantization computed in float64 (reference.attention_8bit: the scales, roundings and rotation of the kernels, in
+PyTorch): a kernel within 1.5x of it (plus a small floor) quantizes and multiplies as designed, while a wrong
+layout (V^T's key order, a fragment, a scale) gives errors of order 1. quantize()'s output is compared with
+reference.quantize_blocks value for value, V's transposed layout byte for byte.
+"""
+import math
+
+import pytest
+import torch
+
+import main
+import reference
+
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+def _available(dtype):
+    if not torch.cuda.is_available():
+        return False
+    arch = main._arch()
+    return arch == 90 and main._builds_sm90a() if dtype == torch.float8_e4m3fn else arch >= 80
+
+
+DTYPES = [pytest.param(dt, marks=pytest.mark.skipif(not _available(dt), reason=f"no GPU for {dt}"))
+          for dt in (torch.float8_e4m3fn, torch.int8)]
+
+
+def rmse(x, ref):
+    return ((x.double() - ref) ** 2).mean().sqrt().item()
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The reference's pieces (CPU)
+
+def test_rotation_is_orthogonal_and_keeps_scores():
+    signs = torch.randint(0, 2, (64,), generator=torch.Generator().manual_seed(1)) * 2.0 - 1
+    R = reference.rotation(64, signs)
+    assert torch.allclose(R @ R.T, torch.eye(64, dtype=torch.float64), atol=1e-12)
+    q, k = torch.randn(5, 64, dtype=torch.float64), torch.randn(7, 64, dtype=torch.float64)
+    assert torch.allclose((q @ R) @ (k @ R).T, q @ k.T, atol=1e-12)
+
+
+def test_key_position_matches_the_fragments():
+    # lane t holds keys 2t, 2t+1, 2t+8, 2t+9 of each 16 in its accumulators; the 8-bit A fragment wants them at 4t..4t+3
+    assert sorted(reference.key_position(c) for c in range(16)) == list(range(16))
+    for t in range(4):
+        assert [reference.key_position(c) for c in (2 * t, 2 * t + 1, 2 * t + 8, 2 * t + 9)] == list(range(4 * t, 4 * t + 4))
+
+
+@pytest.mark.parametrize("dtype", [torch.float8_e4m3fn, torch.int8])
+def test_quantize_blocks_error(dtype):
+    x = torch.randn(2, 3, 300, 64, dtype=torch.float64)
+    x[0, 1, 5, 7] = 40.0  # an outlier: only its own block's scale grows
+    x_hat, s = reference.quantize_blocks(x, dtype)
+    assert s.shape == (2, 3, 3)
+    assert s[0, 1, 0] > 5 * s[0, 1, 1]
+    err = (x_hat * s.repeat_interleave(128, -1)[..., :300, None] - x).abs()
+    step = s.repeat_interleave(128, -1)[..., :300, None]
+    if dtype == torch.int8:
+        assert (err <= step / 2 + 1e-12).all()
+    else:  # 3 mantissa bits: relative error <= 2^-4 above e4m3's smallest normal (2^-6)
+        assert (err <= x.abs() / 16 + step * 2.0 ** -10 + 1e-12).all()
+
+
+def test_attention_8bit_reference_error():
+    q, k, v = (torch.randn(1, 2, 256, 64, dtype=torch.float64, generator=torch.Generator().manual_seed(s))
+               for s in range(3))
+    exact = reference.attention(q, k, v)
+    fp8 = rmse(reference.attention_8bit(q, k, v, torch.float8_e4m3fn), exact)
+    int8 = rmse(reference.attention_8bit(q, k, v, torch.int8, smooth_k=True), exact)
+    assert 1e-4 < int8 < fp8 < 2e-2
+
+
+def test_validation_before_any_launch():
+    q = torch.randn(1, 2, 8, 64)
+    with pytest.raises(TypeError, match="float16 or bfloat16"):
+        main.quantize(q, q, q)
+    h = q.half().requires_grad_()
+    with torch.enable_grad(), pytest.raises(ValueError, match="forward only"):
+        main.flash_attention_8bit(h, h, h)
+    x = main.Quantized(h, h, h, h, h, None, False, 64, torch.float16)
+    with pytest.raises(ValueError, match="either q, k, v or one Quantized"):
+        main.flash_attention_8bit(x, h, h)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The kernels (GPU)
+
+SHAPES = [  # B, H_q, H_kv, N_q, N_k, d: ragged blocks, GQA, N_q != N_k, one query, one key, padded d
+    (2, 4, 2, 200, 333, 64), (1, 2, 2, 1, 77, 128), (2, 2, 1, 300, 300, 128), (1, 3, 3, 129, 1000, 96),
+    (1, 1, 1, 1, 1, 64), (1, 2, 1, 517, 260, 40)]
+
+
+@cuda
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", SHAPES, ids=str)
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("rotate", [False, True])
+def test_against_float64(dtype, shape, causal, rotate):
+    B, H_q, H_kv, N_q, N_k, d = shape
+    torch.manual_seed(sum(shape))
+    q = torch.randn(B, H_q, N_q, d, device="cuda", dtype=torch.bfloat16)
+    k, v = (torch.randn(B, H_kv, N_k, d, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    exact = reference.attention(q.double(), k.double(), v.double(), causal)
+    D = 64 if d <= 64 else 128
+    signs = main.rotation_signs(D, 0, "cuda") if rotate else None
+    pad = lambda x: torch.nn.functional.pad(x.double(), (0, D - d))
+    emulated = reference.attention_8bit(pad(q), pad(k), pad(v), dtype, causal, 1 / math.sqrt(d), signs=signs,
+                                        smooth_k=dtype == torch.int8)[..., :d]
+    bound = 1.5 * rmse(emulated, exact) + 1e-3
+    for transpose_v in ([False, True] if dtype == torch.float8_e4m3fn else [False]):
+        o = main.flash_attention_8bit(q, k, v, causal=causal, dtype=dtype, rotate=rotate, transpose_v=transpose_v)
+        assert o.shape == q.shape and o.dtype == q.dtype
+        err = rmse(o, exact)
+        assert err < bound, f"transpose_v={transpose_v}: rmse {err:.2e}, the quantization's own {bound:.2e}"
+
+
+@cuda
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_window_and_quantized_reuse(dtype):
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(1, 2, 700, 128, device="cuda", dtype=torch.float16) for _ in range(3))
+    exact = reference.attention(q.double(), k.double(), v.double(), window=(100, 20))
+    x = main.quantize(q, k, v, dtype)
+    o = main.flash_attention_8bit(x, window=(100, 20))
+    assert rmse(o, exact) < 2e-2
+    assert torch.equal(o, main.flash_attention_8bit(x, window=(100, 20)))  # the same inputs, the same bits
+
+
+@cuda
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_quantize_matches_reference(dtype):
+    torch.manual_seed(1)
+    x = torch.randn(2, 3, 300, 64, device="cuda", dtype=torch.float16) * 3
+    x[0, 1, 5, 7] = 60.0
+    signs = main.rotation_signs(64, 3, "cuda")
+    for rotate in (False, True):
+        q8 = main.quantize(x, x, x, dtype, rotate=rotate, smooth_k=False, seed=3)
+        y = x.double() @ reference.rotation(64, signs).cuda() if rotate else x.double()
+        x_hat, s = reference.quantize_blocks(y, dtype)
+        torch.testing.assert_close(q8.q_scale.double(), s, rtol=1e-5, atol=0)
+        # values equal but for rounding ties (the kernel's transform runs in fp32): at most one step apart
+        diff = (q8.q.double() - x_hat).abs() if dtype == torch.int8 else (q8.q.float().double() - x_hat).abs()
+        assert (diff <= (1 if dtype == torch.int8 else x_hat.abs() / 8 + 2 ** -9)).all()
+        assert (diff > 0).float().mean() < 1e-3
+
+
+@cuda
+@pytest.mark.skipif(not _available(torch.float8_e4m3fn), reason="needs sm_90")
+def test_transposed_v_layout():
+    torch.manual_seed(2)
+    v = torch.randn(2, 2, 200, 64, device="cuda", dtype=torch.bfloat16)
+    x = main.quantize(v, v, v, torch.float8_e4m3fn, transpose_v=True)
+    plain = main.quantize(v, v, v, torch.float8_e4m3fn)
+    assert x.v.shape == (2, 2, 64, 256)
+    inverse = torch.empty(16, dtype=torch.long)
+    inverse[torch.tensor([reference.key_position(c) for c in range(16)])] = torch.arange(16)
+    keys = (torch.arange(256).view(16, 16)[:, inverse.tolist()]).flatten().cuda()  # key at each position
+    vt = plain.v.view(torch.uint8).transpose(-1, -2)  # (B, H, 64, 200) in key order
+    vt = torch.nn.functional.pad(vt, (0, 56))
+    assert torch.equal(x.v.view(torch.uint8), vt[..., keys])
+    assert torch.equal(x.v_scale, plain.v_scale)
+
+
+@cuda
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_torch_compile(dtype):
+    torch.manual_seed(3)
+    q, k, v = (torch.randn(1, 2, 256, 64, device="cuda", dtype=torch.float16) for _ in range(3))
+    f = torch.compile(lambda q, k, v: main.flash_attention_8bit(q, k, v, causal=True, dtype=dtype), fullgraph=True)
+    torch.testing.assert_close(f(q, k, v), main.flash_attention_8bit(q, k, v, causal=True, dtype=dtype), rtol=0, atol=0)
