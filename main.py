@@ -653,8 +653,9 @@ class Quantized(NamedTuple):
     """8-bit q, k (and v, for fp8) with their scales, as quantize() returns them: x = scale * x_hat per block of
     QUANT_ROWS rows of a head. q, k: (B, H, N, D) int8 or float8_e4m3fn, D the tile width (64 or 128, the columns
     past d zero); v: fp8, (B, H_kv, N_k, D), or (B, H_kv, D, N_pad) if v_transposed (keys in the kernel's order,
-    flash.cu's key_position); int8, v itself (fp16/bf16, padded). q_scale, k_scale, v_scale: (B, H, ceil(N /
-    QUANT_ROWS)) float32 (v_scale None for int8). d: the head dim before padding; out_dtype: the output's dtype."""
+    flash.cu's key_position); int8, v itself (fp16/bf16). q_scale, k_scale, v_scale: (B, H, ceil(N /
+    QUANT_ROWS)) float32 (v_scale None for int8). d: the head dim before padding; out_dtype: the output's dtype.
+    (int8's v is kept as given, and padded where the kernel reads it.)"""
     q: torch.Tensor
     k: torch.Tensor
     v: torch.Tensor
@@ -679,17 +680,17 @@ def _eight_bit_kernel(dtype, device):
 
 @torch.library.custom_op("flash::quantize", mutates_args=())
 def _quantize(x: torch.Tensor, mean: Optional[torch.Tensor], signs: Optional[torch.Tensor], fp8: bool,
-              transpose: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """x (B, H, N, D) -> x_hat and its scales (flash.cu's quantize)."""
-    kernel = _eight_bit_kernel(torch.float8_e4m3fn if fp8 else torch.int8, x.device)  # (here: torch.compile runs it)
+              transpose: bool, D: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """x (B, H, N, d) padded to (B, H, N, D) -> x_hat and its scales (flash.cu's quantize). (The checks and the
+    copies that need the GPU or the data's address run here, where torch.compile leaves them to run.)"""
+    kernel = _eight_bit_kernel(torch.float8_e4m3fn if fp8 else torch.int8, x.device)
     with torch.cuda.device(x.device):
-        return load(kernel, x.shape[-1]).quantize(
-            x, mean, signs, transpose, _stream(x))
+        return load(kernel, D).quantize(_readable(_padded(x, D)), mean, signs, transpose, _stream(x))
 
 
 @_quantize.register_fake
-def _(x, mean, signs, fp8, transpose):
-    B, H, N, D = x.shape
+def _(x, mean, signs, fp8, transpose, D):
+    B, H, N, _ = x.shape
     T = (N + QUANT_ROWS - 1) // QUANT_ROWS
     dtype = torch.float8_e4m3fn if fp8 else torch.int8
     return x.new_empty((B, H, D, T * QUANT_ROWS) if transpose else (B, H, N, D), dtype=dtype), x.new_empty(
@@ -701,9 +702,10 @@ def _forward_8bit(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_scale: to
                   v_scale: Optional[torch.Tensor], v_transposed: bool, window_left: int, window_right: int,
                   scale: float, bf16: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """O (B, H_q, N_q, D) and L of quantized inputs (flash.cu's 8-bit forward)."""
-    with torch.cuda.device(q.device):
-        return load(EIGHT_BIT[q.dtype], q.shape[-1]).forward(q, k, v, q_scale, k_scale, v_scale, v_transposed,
-                                                             window_left, window_right, scale, bf16, _stream(q))
+    with torch.cuda.device(q.device):  # (int8: v as given, padded to q's tile width here)
+        return load(EIGHT_BIT[q.dtype], q.shape[-1]).forward(
+            q, k, v if v.dtype == q.dtype else _readable(_padded(v, q.shape[-1])), q_scale, k_scale, v_scale,
+            v_transposed, window_left, window_right, scale, bf16, _stream(q))
 
 
 @_forward_8bit.register_fake
@@ -745,12 +747,11 @@ def quantize(q, k, v, dtype=torch.float8_e4m3fn, rotate=False, smooth_k=None, tr
     smooth_k = dtype == torch.int8 if smooth_k is None else smooth_k
     fp8, d = dtype == torch.float8_e4m3fn, q.shape[-1]
     D = min(D for D in EIGHT_BIT_HEAD_DIMS if D >= d)
-    q_, k_, v_ = (_readable(_padded(t, D)) for t in (q, k, v))
     signs = rotation_signs(D, seed, q.device) if rotate else None
-    mean = k_.float().mean(2).contiguous() if smooth_k and k.shape[2] > 0 else None
-    q8, q_scale = _quantize(q_, None, signs, fp8, False)
-    k8, k_scale = _quantize(k_, mean, signs, fp8, False)
-    v8, v_scale = _quantize(v_, None, None, True, transpose_v) if fp8 else (v_, None)
+    mean = _padded(k.float().mean(2), D).contiguous() if smooth_k and k.shape[2] > 0 else None
+    q8, q_scale = _quantize(q, None, signs, fp8, False, D)
+    k8, k_scale = _quantize(k, mean, signs, fp8, False, D)
+    v8, v_scale = _quantize(v, None, None, True, transpose_v, D) if fp8 else (v, None)
     return Quantized(q8, k8, v8, q_scale, k_scale, v_scale, transpose_v, d, q.dtype)
 
 

@@ -170,5 +170,12 @@ def test_transposed_v_layout():
 def test_torch_compile(dtype):
     torch.manual_seed(3)
     q, k, v = (torch.randn(1, 2, 256, 64, device="cuda", dtype=torch.float16) for _ in range(3))
-    f = torch.compile(lambda q, k, v: main.flash_attention_8bit(q, k, v, causal=True, dtype=dtype), fullgraph=True)
-    torch.testing.assert_close(f(q, k, v), main.flash_attention_8bit(q, k, v, causal=True, dtype=dtype), rtol=0, atol=0)
+    for smooth_k in (False, True):
+        f = torch.compile(lambda q, k, v: main.flash_attention_8bit(q, k, v, causal=True, dtype=dtype, smooth_k=smooth_k),
+                          fullgraph=True)
+        o = main.flash_attention_8bit(q, k, v, causal=True, dtype=dtype, smooth_k=smooth_k)
+        if not smooth_k:  # the same ops on the same inputs: the same bits
+            torch.testing.assert_close(f(q, k, v), o, rtol=0, atol=0)
+        else:  # K's mean is a reduction the compiler may order differently, which can move an int8 rounding
+            exact = reference.attention(q.double(), k.double(), v.double(), causal=True)
+            assert rmse(f(q, k, v), exact) < 1.5 * rmse(o, exact) + 1e-3
