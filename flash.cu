@@ -2514,24 +2514,29 @@ __host__ __device__ constexpr int key_position(int c) { return 4 * (c % 8 / 2) +
 
 // X_hat = X / s for one head's rows QUANT_ROWS * blockIdx.x .. of X (N, D), s = max |X| / qmax over them, after
 // X -= mean (mean: (H, D) per head, or nullptr) and X = X diag(signs) Hadamard / sqrt(D) (signs: (D), or nullptr).
-// out: int8 or e4m3 bytes, (B, H, N, D); or with N_pad > 0 the transpose (B, H, D, N_pad), keys in key_position
+// out: int8 or e4m3 bytes, (B, H, N, D); or with transpose the transpose (B, H, D, N_pad), keys in key_position
 // order within each 16 and zero past N (V for the fp8 kernel, which reads it K-major). scales: (B, H, T).
 // Grid (T, H, B), 4 warps; a warp takes one row at a time, lane l holding its columns E l .. E l + E - 1 (E = D / 32).
-template <typename T, bool fp8, int D>
+// (Memory bound: each lane moves its E values with one vector access, and the loops over rows unroll, so that a warp
+// has several rows' loads in flight.)
+template <typename T, bool fp8, int D, bool transpose>
 __global__ void __launch_bounds__(128)
 flash_quantize(Rows<const T> X, uint8_t* __restrict__ out, float* __restrict__ scales, int N, const float* mean,
                const float* signs, int N_pad) {
   constexpr int E = D / 32;
   constexpr float qmax = fp8 ? 448.f : 127.f;
+  struct alignas(E * sizeof(T)) Values { T x[E]; };  // a lane's E inputs, and its E outputs
+  struct alignas(E) Bytes { uint8_t x[E]; };
   __shared__ float amax_warp[4];
-  __shared__ uint8_t tile[D][QUANT_ROWS];  // the transpose's (D, QUANT_ROWS) tile
+  __shared__ uint8_t tile[transpose ? D : 1][QUANT_ROWS];  // the transpose's (D, QUANT_ROWS) tile
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, row0 = blockIdx.x * QUANT_ROWS;
   X = X.head();
   // Row r's E values of this lane, transformed. The Hadamard transform (Sylvester's H_D = H_2 x H_{D/2}) as log2 D
   // butterfly stages x_i, x_i^m -> x_i + x_i^m, x_i - x_i^m: the low bits of the column index within a lane, then
   // the high bits (the lane) across lanes by shuffles.
   auto row = [&](int r, float (&x)[E]) {
-    for (int e = 0; e < E; e++) x[e] = row0 + r < N ? to_float(X.at(row0 + r)[E * lane + e]) : 0.f;
+    const Values v = row0 + r < N ? *reinterpret_cast<const Values*>(X.at(row0 + r) + E * lane) : Values{};
+    for (int e = 0; e < E; e++) x[e] = to_float(v.x[e]);
     if (mean)
       for (int e = 0; e < E; e++) x[e] -= mean[head_index() * D + E * lane + e];
     if (!signs) return;
@@ -2550,6 +2555,7 @@ flash_quantize(Rows<const T> X, uint8_t* __restrict__ out, float* __restrict__ s
     for (int e = 0; e < E; e++) x[e] *= rsqrtf(float(D));
   };
   float amax = 0.f, x[E];
+#pragma unroll 4
   for (int r = warp; r < QUANT_ROWS; r += 4) {
     row(r, x);
     for (int e = 0; e < E; e++) amax = fmaxf(amax, fabsf(x[e]));
@@ -2560,17 +2566,18 @@ flash_quantize(Rows<const T> X, uint8_t* __restrict__ out, float* __restrict__ s
   amax = fmaxf(fmaxf(amax_warp[0], amax_warp[1]), fmaxf(amax_warp[2], amax_warp[3]));
   const float s = amax > 0.f ? amax / qmax : 1.f;
   if (threadIdx.x == 0) scales[head_index() * gridDim.x + blockIdx.x] = s;
+#pragma unroll 4
   for (int r = warp; r < QUANT_ROWS; r += 4) {  // again (from L2), now rounding
     row(r, x);
-    uint8_t q[E];
+    Bytes q;
     for (int e = 0; e < E; e++)
-      q[e] = fp8 ? __nv_cvt_float_to_fp8(x[e] / s, __NV_SATFINITE, __NV_E4M3) : uint8_t(int8_t(__float2int_rn(x[e] / s)));
-    if (N_pad)
-      for (int e = 0; e < E; e++) tile[E * lane + e][r / 16 * 16 + key_position(r % 16)] = q[e];
+      q.x[e] = fp8 ? __nv_cvt_float_to_fp8(x[e] / s, __NV_SATFINITE, __NV_E4M3) : uint8_t(int8_t(__float2int_rn(x[e] / s)));
+    if (transpose)
+      for (int e = 0; e < E; e++) tile[E * lane + e][r / 16 * 16 + key_position(r % 16)] = q.x[e];
     else if (row0 + r < N)
-      for (int e = 0; e < E; e++) out[(head_index() * N + row0 + r) * D + E * lane + e] = q[e];
+      *reinterpret_cast<Bytes*>(&out[(head_index() * N + row0 + r) * D + E * lane]) = q;
   }
-  if (!N_pad) return;
+  if (!transpose) return;
   __syncthreads();  // the tile is complete: write it out a row of 128 keys (16 bytes per thread) at a time
   for (int x = threadIdx.x; x < D * QUANT_ROWS / 16; x += 128) {
     const int c = x / (QUANT_ROWS / 16), p = x % (QUANT_ROWS / 16);
@@ -3310,9 +3317,10 @@ std::vector<at::Tensor> quantize(const at::Tensor& X, const std::optional<at::Te
                        : at::empty({B, H, N, HEAD_DIM}, X.options().dtype(dtype));
   auto scales = at::empty({B, H, T}, X.options().dtype(at::kFloat));
   with_type(X, [&]<typename T_>() {
-    launch(flash_quantize<T_, FP8, HEAD_DIM>, dim3(T, H, B), 128, 0, reinterpret_cast<cudaStream_t>(stream),
-           rows<const T_>(X), ptr<uint8_t>(out), ptr<float>(scales), int(N), mean ? ptr<float>(*mean) : nullptr,
-           signs ? ptr<float>(*signs) : nullptr, transpose ? int(T * QUANT_ROWS) : 0);
+    launch(transpose ? flash_quantize<T_, FP8, HEAD_DIM, true> : flash_quantize<T_, FP8, HEAD_DIM, false>,
+           dim3(T, H, B), 128, 0, reinterpret_cast<cudaStream_t>(stream), rows<const T_>(X), ptr<uint8_t>(out),
+           ptr<float>(scales), int(N), mean ? ptr<float>(*mean) : nullptr, signs ? ptr<float>(*signs) : nullptr,
+           int(T * QUANT_ROWS));
   });
   return {out, scales};
 }

@@ -748,7 +748,7 @@ def quantize(q, k, v, dtype=torch.float8_e4m3fn, rotate=False, smooth_k=None, tr
     fp8, d = dtype == torch.float8_e4m3fn, q.shape[-1]
     D = min(D for D in EIGHT_BIT_HEAD_DIMS if D >= d)
     signs = rotation_signs(D, seed, q.device) if rotate else None
-    mean = _padded(k.float().mean(2), D).contiguous() if smooth_k and k.shape[2] > 0 else None
+    mean = _padded(k.mean(2, dtype=torch.float32), D).contiguous() if smooth_k and k.shape[2] > 0 else None
     q8, q_scale = _quantize(q, None, signs, fp8, False, D)
     k8, k_scale = _quantize(k, mean, signs, fp8, False, D)
     v8, v_scale = _quantize(v, None, None, True, transpose_v, D) if fp8 else (v, None)
