@@ -1,10 +1,11 @@
 """The Python side of flash.cu: build each kernel on first use, validate inputs, torch.library ops with
 autograd, and a self-check.
 
-    from main import flash_attention, flash_attention_with_kvcache, list_kernels
+    from main import flash_attention, flash_attention_with_kvcache, flash_attention_8bit, list_kernels
     o = flash_attention(q, k, v, causal=False, softmax_scale=None, kernel="auto")
     o, L = flash_attention(q, k, v, return_lse=True)                 # L: (B, H_q, N_q), float32
     o = flash_attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, k=k_new, v=v_new)   # generation
+    o = flash_attention_8bit(q, k, v, causal=True, dtype=torch.float8_e4m3fn)   # fp8 (Hopper) or int8, inference
 
 q (B, H_q, N_q, d); k, v (B, H_kv, N_k, d) with H_q a multiple of H_kv (grouped-query attention; H_kv = 1:
 multi-query) and any N_k (cross-attention, a KV cache). Causal masking is aligned to the bottom right, as in
