@@ -1151,7 +1151,7 @@ __device__ void mma_qk(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint3
 
 // 8-bit inputs (the 8-bit section) come with one fp32 scale per block of QUANT_ROWS rows of a head: x = s x_hat.
 // q, k, v: (B, H, T_q or T_k) scales of Q, K, V (v: fp8 only); unused by the 16-bit kernels.
-constexpr int QUANT_ROWS = 128;
+[[maybe_unused]] constexpr int QUANT_ROWS = 128;  // ([[maybe_unused]]: builds without the 8-bit kernels)
 struct Scales {
   const float *q, *k, *v;
   int T_q, T_k;  // blocks of QUANT_ROWS per head of Q, of K and V
