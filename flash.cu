@@ -1975,6 +1975,58 @@ __device__ void to_A_fragments(uint32_t (&A)[n / 16][4], const float (&S)[n / 8]
   for (int kk = 0; kk < n / 16; kk++) A_fragment<T, n>(A[kk], S, kk);
 }
 
+// A consumer warpgroup's schedule in the Hopper forward kernels (flash_fwd_hopper, flash_fwd_hopper_fp8), for the
+// n_blocks key blocks n = 0, 1, ... of its loop, block n in stage n % STAGES. The softmax of block n+1 runs on the
+// CUDA cores while the tensor cores compute P_in V_n:
+//   S_i0 = Q_i K_0^T; softmax
+//   for n: issue S_i,n+1 = Q_i K_n+1^T; issue O_i += P_in V_n; wait for S_i,n+1; softmax;
+//          wait for O_i; release block n's stage; O_i *= alpha; P_i,n+1 from S
+//   last block: O_i += P_in V_n
+// The consumers take turns to issue (named barrier c is consumer c's turn), so that while one waits for its
+// products the other's softmax has the CUDA cores, and the tensor cores always have work. The kernel gives its
+// stages' mbarriers full(s) and empty(s) and the steps: ready_PV(n) waits until P_in V_n may read block n's stage
+// (beyond its landing); issue_S(n) and issue_PV(n) issue and commit the products; softmax(n) is l.9 for block n;
+// to_P() makes P_in's fragments from S; rescale() is O_i *= alpha.
+template <int NWG, int STAGES, int S_tiles, int O_tiles>
+__device__ void forward_schedule(int wg, int n_blocks, float (&S)[S_tiles][4], float (&O_i)[O_tiles][4], auto full,
+                                 auto empty, auto ready_PV, auto issue_S, auto issue_PV, auto softmax, auto to_P,
+                                 auto rescale) {
+  auto my_turn = [&] { asm volatile("bar.sync %0, %1;" ::"r"(wg), "n"(256) : "memory"); };
+  auto next_turn = [&] { asm volatile("bar.arrive %0, %1;" ::"r"(wg % NWG + 1), "n"(256) : "memory"); };
+  auto landed = [&](int n) { mbar_wait(full(n % STAGES), n / STAGES % 2); };  // K_j and V_j of block n
+  if (wg == NWG) next_turn();  // consumer 1 goes first
+  landed(0);
+  my_turn();
+  wgmma_fence();
+  issue_S(0);
+  next_turn();
+  wgmma_wait<0>(S);
+  softmax(0);  // (O_i = 0: no rescale)
+  to_P();
+  for (int n = 0; n + 1 < n_blocks; n++) {                                         // l.6: block j = j0 + n
+    landed(n + 1);
+    ready_PV(n);
+    my_turn();
+    wgmma_fence();  // S, P and O_i were last written by ordinary instructions
+    issue_S(n + 1);
+    issue_PV(n);
+    next_turn();
+    wgmma_wait<1>(S);  // S_i,n+1 is done; P_in V_n may still be running
+    softmax(n + 1);
+    wgmma_wait<0>(O_i);
+    __syncwarp();
+    if (threadIdx.x % 32 == 0) mbar_arrive(empty(n % STAGES));  // this warp has finished reading block n's stage
+    rescale();
+    to_P();
+  }
+  ready_PV(n_blocks - 1);
+  my_turn();
+  wgmma_fence();
+  issue_PV(n_blocks - 1);
+  if (wg < NWG) next_turn();  // (the last consumer's turn token would never be taken)
+  wgmma_wait<0>(O_i);
+}
+
 // fp16/bf16 forward on Hopper (sm_90a): FlashAttention-2's Algorithm 1 with FlashAttention-3's machinery.
 // Grid (T_r, H_q, B); 1 + NWG warpgroups; B_r = 64*NWG, B_c = 128 (64 past d = 128). Warpgroup 0 is the producer: one of its
 // threads issues every TMA load. Warpgroup c = 1..NWG is a consumer owning rows 64(c-1) .. 64c-1 of Q_i,
@@ -2051,16 +2103,18 @@ flash_fwd_hopper(const __grid_constant__ CUtensorMap Q_map, const __grid_constan
     float O_i[d / 8][4] = {}, m_i[2] = {M_START, M_START}, l_i[2] = {0.f, 0.f};  // l.5
     float S[B_c / 8][4], alpha[2];  // S_ij, then P_ij in fp32
     uint32_t P[B_c / 16][4];        // P_ij as A fragments, read by the wgmma on O_i
-    // S_ij = Q_i K_j^T (l.8) on tensor cores, for j's stage s: d/16 wgmma, k slice kk 32 bytes * (kk % 4) into
-    // panel kk / 4 of Q_i and K_j. Only issued: wgmma_wait collects the result.
-    auto issue_S = [&](int s) {
+    // S_ij = Q_i K_j^T (l.8) on tensor cores, for block j0 + n in stage s: d/16 wgmma, k slice kk 32 bytes * (kk % 4)
+    // into panel kk / 4 of Q_i and K_j. Only issued: wgmma_wait collects the result.
+    auto issue_S = [&](int n) {
+      const int s = n % STAGES;
       for (int kk = 0; kk < d / 16; kk++)
         wgmma_ss<T, B_c>(S, smem_desc(Q_wg + kk / 4 * B_r * 128 + kk % 4 * 32, 0),
                          smem_desc(K_s(s) + kk / 4 * B_c * 128 + kk % 4 * 32, 0), kk > 0);
       wgmma_commit();
     };
     // l.9 for block j, on the CUDA cores: m_i, l_i and alpha updated, S_ij replaced by P_ij in place (fp32)
-    auto softmax = [&](int j) {
+    auto softmax = [&](int n) {
+      const int j = j0 + n;
       const bool masked = mask.any(row0, B_r, j * B_c, B_c);  // any masked entry in the block?
       apply_scores<B_c>(S, {r, r + 8}, j * B_c + 2 * t, sc, masked, {slope, slope});
       update_row_max<B_c>(S, m_i, l_i, alpha);
@@ -2082,56 +2136,16 @@ flash_fwd_hopper(const __grid_constant__ CUtensorMap Q_map, const __grid_constan
             }
         }
     };
-    // O_i += P_ij V_j (l.10) for j's stage s: B_c/16 wgmma, keys 16kk..16kk+15 (16 rows of V_j, 2048 bytes)
-    // in slice kk. Only issued; afterwards this warp releases stage s once wgmma_wait has collected O_i.
-    auto issue_PV = [&](int s) {
+    // O_i += P_ij V_j (l.10) for block j0 + n in stage s: B_c/16 wgmma, keys 16kk..16kk+15 (16 rows of V_j, 2048
+    // bytes) in slice kk. Only issued; afterwards this warp releases stage s once wgmma_wait has collected O_i.
+    auto issue_PV = [&](int n) {
+      const int s = n % STAGES;
       for (int kk = 0; kk < B_c / 16; kk++) wgmma_rs_cols<T, 0, d>(O_i, P[kk], V_s(s) + kk * 2048, B_c * 128);
       wgmma_commit();
     };
-    auto release = [&](int s) {
-      __syncwarp();
-      if (lane == 0) mbar_arrive(empty(s));  // this warp has finished reading stage s
-    };
-
-    // The softmax of block j+1 runs on the CUDA cores while the tensor cores compute P_ij V_j:
-    //   S_i0 = Q_i K_0^T; softmax
-    //   for j: issue S_i,j+1 = Q_i K_j+1^T; issue O_i += P_ij V_j; wait for S_i,j+1; softmax;
-    //          wait for O_i; release stage j; O_i *= alpha; P_i,j+1 from S
-    //   last block: O_i += P_ij V_j
-    // The consumers take turns to issue (named barrier c is consumer c's turn), so that while one waits
-    // for its products the other's softmax has the CUDA cores, and the tensor cores always have work.
-    auto my_turn = [&] { asm volatile("bar.sync %0, %1;" ::"r"(wg), "n"(256) : "memory"); };
-    auto next_turn = [&] { asm volatile("bar.arrive %0, %1;" ::"r"(wg % NWG + 1), "n"(256) : "memory"); };
-    if (wg == NWG) next_turn();  // consumer 1 goes first
     mbar_wait(Q_full, 0);
-    mbar_wait(full(0), 0);
-    my_turn();
-    wgmma_fence();
-    issue_S(0);
-    next_turn();
-    wgmma_wait<0>(S);
-    softmax(j0);  // (O_i = 0: no rescale)
-    to_A_fragments<T, B_c>(P, S);  // P_ij as the A operand of O_i += P_ij V_j
-    for (int n = 0; n + 1 < n_blocks; n++) {                                       // l.6: block j = j0 + n
-      const int s = n % STAGES, s_next = (n + 1) % STAGES;
-      mbar_wait(full(s_next), (n + 1) / STAGES % 2);  // K_j+1 and V_j+1 have landed
-      my_turn();
-      wgmma_fence();  // S, P and O_i were last written by ordinary instructions
-      issue_S(s_next);
-      issue_PV(s);
-      next_turn();
-      wgmma_wait<1>(S);  // S_i,j+1 is done; P_ij V_j may still be running
-      softmax(j0 + n + 1);
-      wgmma_wait<0>(O_i);
-      release(s);
-      rescale_O<d>(O_i, alpha);
-      to_A_fragments<T, B_c>(P, S);
-    }
-    my_turn();
-    wgmma_fence();
-    issue_PV((n_blocks - 1) % STAGES);
-    if (wg < NWG) next_turn();  // (the last consumer's turn token would never be taken)
-    wgmma_wait<0>(O_i);
+    forward_schedule<NWG, STAGES>(wg, n_blocks, S, O_i, full, empty, [](int) {}, issue_S, issue_PV, softmax,
+                                  [&] { to_A_fragments<T, B_c>(P, S); }, [&] { rescale_O<d>(O_i, alpha); });
     write_O_L<T, d>(O_i, m_i, l_i, O.head(), L + mask.row_index(), r, t, mask.N_q, sc.dropout.scale);  // l.12-15
   }
 #endif
@@ -2707,16 +2721,17 @@ flash_fwd_hopper_fp8(const __grid_constant__ CUtensorMap Q_map, const __grid_con
     float O_i[d / 8][4] = {}, m_i[2] = {M_START, M_START}, l_i[2] = {0.f, 0.f};  // l.5
     float S[B_c / 8][4], alpha[2];
     uint32_t P[B_c / 32][4];  // P_ij as k32 A fragments, e4m3
-    auto issue_S = [&](int s) {  // S_ij = Q_i K_j^T (l.8): k slice kk is bytes 32kk .. 32kk+31 of each row
+    auto issue_S = [&](int n) {  // S_ij = Q_i K_j^T (l.8): k slice kk is bytes 32kk .. 32kk+31 of each row
       for (int kk = 0; kk < d / 32; kk++)
-        wgmma_fp8_ss<B_c>(S, smem_desc(Q_wg + 32 * kk, 0), smem_desc(K_s(s) + 32 * kk, 0), kk > 0);
+        wgmma_fp8_ss<B_c>(S, smem_desc(Q_wg + 32 * kk, 0), smem_desc(K_s(n % STAGES) + 32 * kk, 0), kk > 0);
       wgmma_commit();
     };
     // l.9, then P_ij in place of S_ij, times 2^8. The scores are f S_ij, f = scale log2(e) s_Q,i s_K,j (no softcap or
     // ALiBi here): the row maximum is taken on S_ij and scaled once, and each entry costs one FFMA and one ex2.
     Scores unscaled = sc;
     unscaled.scale_log2 = 1.f;
-    auto softmax = [&](int j) {
+    auto softmax = [&](int n) {
+      const int j = j0 + n;
       const float f = sc.scale_log2 * s_Q * s_K[j];
       if (mask.any(row0, B_r, j * B_c, B_c)) apply_scores<B_c>(S, {r, r + 8}, j * B_c + 2 * t, unscaled, true, {0.f, 0.f});
       float m8[2];  // m_i - 8
@@ -2726,7 +2741,7 @@ flash_fwd_hopper_fp8(const __grid_constant__ CUtensorMap Q_map, const __grid_con
         rowmax = fmaxf(rowmax, __shfl_xor_sync(~0u, rowmax, 1));  // over the quad holding the row
         rowmax = fmaxf(m_i[h], fmaxf(rowmax, __shfl_xor_sync(~0u, rowmax, 2)) * f);
         alpha[h] = exp2_ftz(m_i[h] - rowmax), m_i[h] = rowmax, l_i[h] *= alpha[h], m8[h] = rowmax - 8.f;
-        if (j > j0) alpha[h] *= s_V[j - 1] / s_V[j];  // (for O_i only)
+        if (n > 0) alpha[h] *= s_V[j - 1] / s_V[j];  // (for O_i only)
       }
       for (int nt = 0; nt < B_c / 8; nt++)
         for (int e = 0; e < 4; e++) S[nt][e] = exp2_ftz(fmaf(S[nt][e], f, -m8[e / 2])), l_i[e / 2] += S[nt][e];
@@ -2738,50 +2753,16 @@ flash_fwd_hopper_fp8(const __grid_constant__ CUtensorMap Q_map, const __grid_con
           P[kk][h] = pack_fp8(S[nt][e], S[nt][e + 1], S[nt + 1][e], S[nt + 1][e + 1]);
         }
     };
-    auto issue_PV = [&](int s) {  // O_i += P_ij V_j (l.10): B_c/32 wgmma, keys 32kk .. 32kk+31
-      for (int kk = 0; kk < B_c / 32; kk++) wgmma_fp8_rs<d>(O_i, P[kk], smem_desc(Vt_s(s) + 32 * kk, 0));
+    auto issue_PV = [&](int n) {  // O_i += P_ij V_j (l.10): B_c/32 wgmma, keys 32kk .. 32kk+31
+      for (int kk = 0; kk < B_c / 32; kk++) wgmma_fp8_rs<d>(O_i, P[kk], smem_desc(Vt_s(n % STAGES) + 32 * kk, 0));
       wgmma_commit();
     };
-    auto release = [&](int s) {
-      __syncwarp();
-      if (lane == 0) mbar_arrive(empty(s));  // this warp has finished reading stage s
+    auto transposed_V = [&](int n) {  // V_j^T of block n is written (by the producer, !V_TRANSPOSED)
+      if (!V_TRANSPOSED) mbar_wait(transposed(n % STAGES), n / STAGES % 2);
     };
-    // The schedule of the hopper kernel: softmax of block j+1 while P_ij V_j runs, the consumers taking turns.
-    auto my_turn = [&] { asm volatile("bar.sync %0, %1;" ::"r"(wg), "n"(256) : "memory"); };
-    auto next_turn = [&] { asm volatile("bar.arrive %0, %1;" ::"r"(wg % NWG + 1), "n"(256) : "memory"); };
-    if (wg == NWG) next_turn();
     mbar_wait(Q_full, 0);
-    mbar_wait(full(0), 0);
-    my_turn();
-    wgmma_fence();
-    issue_S(0);
-    next_turn();
-    wgmma_wait<0>(S);
-    softmax(j0);
-    to_fp8_fragments();
-    for (int n = 0; n + 1 < n_blocks; n++) {                                       // l.6: block j = j0 + n
-      const int s = n % STAGES, s_next = (n + 1) % STAGES;
-      mbar_wait(full(s_next), (n + 1) / STAGES % 2);
-      if (!V_TRANSPOSED) mbar_wait(transposed(s), n / STAGES % 2);
-      my_turn();
-      wgmma_fence();
-      issue_S(s_next);
-      issue_PV(s);
-      next_turn();
-      wgmma_wait<1>(S);
-      softmax(j0 + n + 1);
-      wgmma_wait<0>(O_i);
-      release(s);
-      rescale_O<d>(O_i, alpha);
-      to_fp8_fragments();
-    }
-    const int s_last = (n_blocks - 1) % STAGES;
-    if (!V_TRANSPOSED) mbar_wait(transposed(s_last), (n_blocks - 1) / STAGES % 2);
-    my_turn();
-    wgmma_fence();
-    issue_PV(s_last);
-    if (wg < NWG) next_turn();
-    wgmma_wait<0>(O_i);
+    forward_schedule<NWG, STAGES>(wg, n_blocks, S, O_i, full, empty, transposed_V, issue_S, issue_PV, softmax,
+                                  to_fp8_fragments, [&] { rescale_O<d>(O_i, alpha); });
     const float s_V_last = s_V[j0 + n_blocks - 1], m_out[2] = {m_i[0] - 8.f, m_i[1] - 8.f};  // (l_i's 2^8 out of L)
     rescale_O<d>(O_i, {s_V_last, s_V_last});
     write_O_L<T, d>(O_i, m_out, l_i, O.head(), L + mask.row_index(), r, t, mask.N_q);  // l.12-15

@@ -330,13 +330,9 @@ def _check_inputs(q, k, v, causal, softmax_scale, kernel, return_lse, window=(-1
             raise TypeError(f"{name} must be float32, float16 or bfloat16, got {t.dtype}")
     if not (q.dtype == k.dtype == v.dtype):
         raise TypeError(f"q, k, v must have one dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
-    if not isinstance(causal, bool):
-        raise TypeError(f"causal must be True or False, got {causal!r}")
+    _check_causal_and_scale(causal, softmax_scale)
     if not isinstance(return_lse, bool):
         raise TypeError(f"return_lse must be True or False, got {return_lse!r}")
-    if softmax_scale is not None and (isinstance(softmax_scale, bool) or not isinstance(softmax_scale, (int, float))
-                                      or not math.isfinite(softmax_scale)):
-        raise ValueError(f"softmax_scale must be None or a finite number, got {softmax_scale!r}")
     _check_scores(q, window, alibi_slopes, softcap, q.shape[0] if B is None else B)
     if not isinstance(kernel, str):
         raise TypeError(f"kernel must be a string, got {type(kernel).__name__}")
@@ -351,6 +347,14 @@ def _check_inputs(q, k, v, causal, softmax_scale, kernel, return_lse, window=(-1
         raise ValueError(f"the head dim d must be between 1 and {MAX_HEAD_DIM}, got {q.shape[3]}")
     if q.shape[0] > MAX_GRID or q.shape[1] > MAX_GRID:
         raise ValueError(f"B and H must each be at most {MAX_GRID}, got B = {q.shape[0]}, H = {q.shape[1]}")
+
+
+def _check_causal_and_scale(causal, softmax_scale):
+    if not isinstance(causal, bool):
+        raise TypeError(f"causal must be True or False, got {causal!r}")
+    if softmax_scale is not None and (isinstance(softmax_scale, bool) or not isinstance(softmax_scale, (int, float))
+                                      or not math.isfinite(softmax_scale)):
+        raise ValueError(f"softmax_scale must be None or a finite number, got {softmax_scale!r}")
 
 
 def _check_scores(q, window, alibi_slopes, softcap, B):
@@ -669,8 +673,7 @@ class Quantized(NamedTuple):
 
 
 def _eight_bit_kernel(dtype, device):
-    if dtype not in EIGHT_BIT:
-        raise ValueError(f"dtype must be torch.float8_e4m3fn or torch.int8, got {dtype}")
+    """The 8-bit kernel of dtype (a key of EIGHT_BIT), if this GPU runs it."""
     kernel, arch = EIGHT_BIT[dtype], _arch(device)
     if dtype == torch.float8_e4m3fn and not (arch == 90 and _builds_sm90a()):
         raise ValueError(f"fp8 attention needs an sm_90 GPU (Hopper) and an sm_90a build; this is sm_{arch}")
@@ -774,11 +777,7 @@ def flash_attention_8bit(q, k=None, v=None, causal=False, softmax_scale=None, wi
                                  "requires grad: call it under torch.no_grad() or pass detached tensors")
         x = quantize(q, k, v, dtype, rotate, smooth_k, transpose_v)
     _check_scores(x.q, window, None, 0.0, x.q.shape[0])
-    if not isinstance(causal, bool):
-        raise TypeError(f"causal must be True or False, got {causal!r}")
-    if softmax_scale is not None and (isinstance(softmax_scale, bool) or not isinstance(softmax_scale, (int, float))
-                                      or not math.isfinite(softmax_scale)):
-        raise ValueError(f"softmax_scale must be None or a finite number, got {softmax_scale!r}")
+    _check_causal_and_scale(causal, softmax_scale)
     scale = 1.0 / math.sqrt(x.d) if softmax_scale is None else float(softmax_scale)
     (left, right), _, _ = _options(causal, window, None, 0.0)
     if x.q.shape[2] == 0 or x.k.shape[2] == 0:
