@@ -1607,7 +1607,9 @@ flash_bwd_dq_ampere(Rows<const T> Q, Rows<const T> K, Rows<const T> V, Rows<cons
 //   read from memory serves the whole group.
 // - Splits: the T_c key blocks are divided into gridDim.x contiguous ranges, one per thread block, so that
 //   B * H_kv * tiles * splits blocks fill the GPU. Each block writes O and L over its keys alone (fp32, into
-//   O_part and L_part) and flash_merge_splits combines them by L; with one split the block writes O and L itself.
+//   O_part and L_part); the last split of a tile to finish merges them by L, so that decoding is one kernel
+//   launch (on an H100 at B = 1, H_kv = 8, N_k = 4096, d = 128: 12.8 us a step, against 14.5 us with a second,
+//   merging kernel). With one split the block writes O and L itself.
 // - Warps: each of the 4 warps takes 16 of the B_c = 64 keys of every block, keeps its own m_i, l_i and O_i
 //   over them, and the warps' parts are merged at the end by the same rule as the splits.
 // Grid (splits, H_kv * tiles, B); 128 threads. Per warp and block j (the fragments of the Ampere forward,
@@ -1619,6 +1621,7 @@ flash_bwd_dq_ampere(Rows<const T> Q, Rows<const T> K, Rows<const T> V, Rows<cons
 template <typename T, int d>
 struct DecodeBlock {
   static constexpr int B_c = 64, ld = d + 8;  // keys per block; row stride of the queries in shared memory
+  static constexpr int MAX_SPLITS = 128;          // (merge_row holds MAX_SPLITS / 32 of L_s per lane)
   int G, N_q, rows, tiles, H_q, h_kv, row0;   // this block's rows: row0 .. row0 + 15 of the G * N_q
   Scores sc;                                  // its mask with this sequence's N_k
   int j_begin, j_end;                         // this split's key blocks
@@ -1682,10 +1685,10 @@ struct DecodeBlock {
   }
 
   // The 4 warps' parts merged, m = max_w m_w, l = sum_w e^(m_w - m) l_w, O = sum_w e^(m_w - m) O_w, through
-  // `scratch` (4 * 16 * (d + 2) floats of shared memory), then Alg.1 l.12-15, or this split's part for
-  // flash_merge_splits. Called by all 128 threads.
+  // `scratch` (4 * 16 * (d + 2) floats of shared memory), then Alg.1 l.12-15; or, with several splits, this
+  // split's part, and the last split of the tile to finish merges them all (merge_row). Called by all 128 threads.
   __device__ void write(float* scratch, const float (&O_i)[d / 8][4], const float (&m_i)[2], float (&l_i)[2],
-                        Rows<T> O, float* L, float* O_part, float* L_part) const {
+                        Rows<T> O, float* L, float* O_part, float* L_part, int* tickets) const {
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
     float* m_s = scratch;       // (4, 16)     each warp's m_i
     float* l_s = m_s + 4 * 16;  // (4, 16)     each warp's l_i
@@ -1714,12 +1717,62 @@ struct DecodeBlock {
         T* O_r = O.ptr + blockIdx.z * O.stride_b + h * O.stride_h + n * O.stride_n;
         *reinterpret_cast<uint32_t*>(O_r + c) = pack<T>(o0 * inverse(l), o1 * inverse(l));
         if (c == 0) L[q] = log_sum_exp(m, l);
-      } else {  // this split's O and L over its keys, for flash_merge_splits
+      } else {  // this split's O and L over its keys, for merge_row
         const size_t part = (size_t)blockIdx.x * gridDim.z * H_q * N_q + q;
         *reinterpret_cast<float2*>(&O_part[part * d + c]) = make_float2(o0 * inverse(l), o1 * inverse(l));
         if (c == 0) L_part[part] = log_sum_exp(m, l);
       }
     }
+    if (gridDim.x == 1) return;
+    // Which split is last? Each takes a ticket once its part is written: the one that draws splits - 1 merges.
+    // The fence before the ticket makes this block's part visible to the merging block before its ticket is.
+    __threadfence();
+    __syncthreads();  // every thread's part is written and fenced (and the loop above is done with scratch)
+    int* last = reinterpret_cast<int*>(scratch);
+    if (threadIdx.x == 0) *last = atomicAdd(&tickets[blockIdx.z * gridDim.y + blockIdx.y], 1) == gridDim.x - 1;
+    __syncthreads();  // every thread knows
+    if (!*last) return;
+    __threadfence();  // (the other splits' parts are read after their tickets)
+    for (int x = row0 + warp; x < min(row0 + 16, rows); x += 4) merge_row(x, O_part, L_part, O, L);
+  }
+
+  // Split-KV's merge of row x by the splits' L (reference.merge; notebook 03 proves the rule):
+  //   L = log sum_s e^(L_s),  O = sum_s e^(L_s - L) O_s,
+  // O_part (splits, B, H_q, N_q, d) and L_part (splits, B, H_q, N_q) fp32. A split that saw no key of the row has
+  // L_s = -inf and weighs 0. One warp: lane l holds L_s of splits l, l + 32, .. (at most MAX_SPLITS) and columns
+  // 64k + 2l, +1 (those below d) of O; all the splits' loads of a column are issued before their sums, and read
+  // through L2 (ld.global.cg: the other splits wrote them from other SMs, past this SM's L1).
+  __device__ void merge_row(int x, const float* O_part, const float* L_part, Rows<T> O, float* L) const {
+    const int lane = threadIdx.x % 32, splits = gridDim.x, h = head(x), n = query(x);
+    const int64_t n_rows = int64_t(gridDim.z) * H_q * N_q, q = (int64_t(blockIdx.z) * H_q + h) * N_q + n;
+    float L_s[MAX_SPLITS / 32], L_max = -INFINITY, sum = 0.f;
+    for (int i = 0; i < MAX_SPLITS / 32; i++) {
+      L_s[i] = lane + 32 * i < splits ? __ldcg(&L_part[(lane + 32 * i) * n_rows + q]) : -INFINITY;
+      L_max = fmaxf(L_max, L_s[i]);
+    }
+    for (int off = 16; off > 0; off /= 2) L_max = fmaxf(L_max, __shfl_xor_sync(~0u, L_max, off));
+    const bool seen = L_max > -INFINITY;  // else no split saw a key: L = -inf and O = 0
+    for (int i = 0; i < MAX_SPLITS / 32; i++) sum += seen ? expf(L_s[i] - L_max) : 0.f;
+    for (int off = 16; off > 0; off /= 2) sum += __shfl_xor_sync(~0u, sum, off);
+    const float L_q = L_max + logf(sum);
+    constexpr int K = (d + 63) / 64;
+    float o[K][2] = {};
+    for (int i = 0; i < MAX_SPLITS / 32 && 32 * i < splits; i++) {
+      const float w_lane = seen ? expf(L_s[i] - L_q) : 0.f;  // e^(L_s - L) of split 32i + lane
+#pragma unroll 16
+      for (int j = 0; j < min(32, splits - 32 * i); j++) {
+        const float w = __shfl_sync(~0u, w_lane, j);
+        const float* O_s = O_part + ((32 * i + j) * n_rows + q) * d;
+        for (int k = 0; k < K && 64 * k + 2 * lane < d; k++) {
+          const float2 o_s = __ldcg(reinterpret_cast<const float2*>(O_s + 64 * k + 2 * lane));
+          o[k][0] += w * o_s.x, o[k][1] += w * o_s.y;
+        }
+      }
+    }
+    T* O_r = O.ptr + blockIdx.z * O.stride_b + h * O.stride_h + n * O.stride_n;
+    for (int k = 0; k < K && 64 * k + 2 * lane < d; k++)
+      *reinterpret_cast<uint32_t*>(O_r + 64 * k + 2 * lane) = pack<T>(o[k][0], o[k][1]);
+    if (lane == 0) L[q] = L_q;
   }
 };
 
@@ -1728,7 +1781,7 @@ template <typename T, int d, int STAGES>
 __global__ void __launch_bounds__(128)
 flash_decode(Rows<const T> Q, Rows<const T> K, Rows<const T> V, Rows<T> O, float* __restrict__ L,
              float* __restrict__ O_part, float* __restrict__ L_part, Scores sc, const int* __restrict__ seqlens_k,
-             int G) {
+             int G, int* tickets) {
   using Block = DecodeBlock<T, d>;
   constexpr int B_c = Block::B_c, ld = Block::ld;
   extern __shared__ __align__(16) unsigned char smem_raw[];
@@ -1762,44 +1815,7 @@ flash_decode(Rows<const T> Q, Rows<const T> K, Rows<const T> V, Rows<T> O, float
   }
   cp_async_wait<0>();
   __syncthreads();  // every warp is done with the stages, whose memory now takes the warps' parts
-  block.write(reinterpret_cast<float*>(KV_s), O_i, m_i, l_i, O, L, O_part, L_part);  // l.12-15
-}
-
-// Split-KV, the second kernel: each query row's O and L from the parts of the splits, by their L
-// (reference.merge; notebook 03 proves the rule):  L = log sum_s e^(L_s),  O = sum_s e^(L_s - L) O_s.
-// A split that saw no key of a row has L_s = -inf and weighs 0. One warp per row of the n_rows = B * H_q * N_q,
-// lane l holding columns 64k + 2l, +1 (those below d); O_part (splits, B, H_q, N_q, d) and L_part (splits, B, H_q, N_q), fp32.
-// Decoding has few rows and many splits: the lanes share out the splits for L, and the loop over the splits
-// for O is unrolled, so that several loads are in flight at once rather than one after the other.
-template <typename T, int d>
-__global__ void flash_merge_splits(const float* __restrict__ O_part, const float* __restrict__ L_part, Rows<T> O,
-                                   float* __restrict__ L, int splits, int64_t n_rows, int H_q, int N_q) {
-  const int64_t q = (int64_t)blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32;
-  const int lane = threadIdx.x % 32;
-  if (q >= n_rows) return;  // whole warps leave together
-  float L_max = -INFINITY, sum = 0.f;
-  for (int s = lane; s < splits; s += 32) L_max = fmaxf(L_max, L_part[s * n_rows + q]);
-  for (int off = 16; off > 0; off /= 2) L_max = fmaxf(L_max, __shfl_xor_sync(~0u, L_max, off));
-  if (L_max > -INFINITY)  // (else no split saw a key: L = -inf and O = 0)
-    for (int s = lane; s < splits; s += 32) sum += expf(L_part[s * n_rows + q] - L_max);
-  for (int off = 16; off > 0; off /= 2) sum += __shfl_xor_sync(~0u, sum, off);
-  const float L_q = L_max + logf(sum);  // -inf if no split saw a key
-  constexpr int K = (d + 63) / 64;
-  float o[K][2] = {};
-#pragma unroll 8
-  for (int s = 0; s < splits; s++) {
-    const float w = L_max > -INFINITY ? expf(L_part[s * n_rows + q] - L_q) : 0.f;  // e^(L_s - L)
-    for (int k = 0; k < K; k++) {
-      if (64 * k + 2 * lane >= d) break;
-      const float2 x = *reinterpret_cast<const float2*>(&O_part[(s * n_rows + q) * d + 64 * k + 2 * lane]);
-      o[k][0] += w * x.x, o[k][1] += w * x.y;
-    }
-  }
-  const int n = q % N_q, h = q / N_q % H_q, b = q / N_q / H_q;
-  T* O_r = O.ptr + b * O.stride_b + h * O.stride_h + n * O.stride_n;
-  for (int k = 0; k < K && 64 * k + 2 * lane < d; k++)
-    *reinterpret_cast<uint32_t*>(O_r + 64 * k + 2 * lane) = pack<T>(o[k][0], o[k][1]);
-  if (lane == 0) L[q] = L_q;
+  block.write(reinterpret_cast<float*>(KV_s), O_i, m_i, l_i, O, L, O_part, L_part, tickets);  // l.12-15
 }
 
 // ======================================================================================================
@@ -2438,7 +2454,7 @@ template <typename T, int d, int STAGES>
 __global__ void __launch_bounds__(128, 1)
 flash_decode_hopper(Rows<const T> Q, const __grid_constant__ CUtensorMap K_map, const __grid_constant__ CUtensorMap V_map,
                     Rows<T> O, float* __restrict__ L, float* __restrict__ O_part, float* __restrict__ L_part, Scores sc,
-                    const int* __restrict__ seqlens_k, int G) {
+                    const int* __restrict__ seqlens_k, int G, int* tickets) {
 #if SM90A
   using Block = DecodeBlock<T, d>;
   constexpr int B_c = Block::B_c;
@@ -2494,7 +2510,7 @@ flash_decode_hopper(Rows<const T> Q, const __grid_constant__ CUtensorMap K_map, 
     }
   }
   __syncthreads();  // every warp is done with the stages, whose memory now takes the warps' parts
-  block.write(reinterpret_cast<float*>(__cvta_shared_to_generic(KV_s)), O_i, m_i, l_i, O, L, O_part, L_part);
+  block.write(reinterpret_cast<float*>(__cvta_shared_to_generic(KV_s)), O_i, m_i, l_i, O, L, O_part, L_part, tickets);
 #endif
 }
 
@@ -3084,8 +3100,7 @@ template <typename T, int d> constexpr auto bwd_dq = bwd_dq_ampere<T, d>;
 #endif
 
 // Decoding, for the kernels with split_kv in KERNELS: flash_decode (ampere) or flash_decode_hopper on every
-// query tile and split, then flash_merge_splits if there is more than one split. Declared for all kernels:
-// forward() names it.
+// query tile and split (the splits merge in the kernel). Declared for all kernels: forward() names it.
 template <typename T, int d, int STAGES = 4>
 void decode(const at::Tensor& Q, const at::Tensor& K, const at::Tensor& V, at::Tensor& O, at::Tensor& L,
             const int* seqlens_k, const Scores& sc, cudaStream_t stream)
@@ -3129,7 +3144,7 @@ void decode(const at::Tensor& Q, const at::Tensor& K, const at::Tensor& V, at::T
     const double waves = double(blocks) * splits / slots[device];
     return waves / std::ceil(waves);
   };
-  const int most = std::clamp(T_c / 2, 1, 128);
+  const int most = std::clamp(T_c / 2, 1, DecodeBlock<T, d>::MAX_SPLITS);
   double best = 0;
   for (int s = 1; s <= most; s++) best = std::max(best, fullness(s));
   int splits = 1;
@@ -3137,16 +3152,17 @@ void decode(const at::Tensor& Q, const at::Tensor& K, const at::Tensor& V, at::T
   const dim3 grid(splits, H_kv * tiles, B);
   if (splits == 1) {
     launch(kernel, grid, 128, smem, stream, rows<const T>(Q), K_arg, V_arg, rows<T>(O),
-           ptr<float>(L), nullptr, nullptr, sc, seqlens_k, G);
+           ptr<float>(L), nullptr, nullptr, sc, seqlens_k, G, nullptr);
     return;
   }
-  auto O_part = at::empty({splits, B, H_q, N_q, d}, Q.options().dtype(at::kFloat));
-  auto L_part = at::empty({splits, B, H_q, N_q}, Q.options().dtype(at::kFloat));
+  // The splits' parts O_part, L_part (fp32) and a ticket per tile (zero), in one allocation
+  const int64_t n_rows = int64_t(B) * H_q * N_q;
+  auto parts = at::empty({splits * n_rows * (d + 1) + blocks}, Q.options().dtype(at::kFloat));
+  float *O_part = ptr<float>(parts), *L_part = O_part + splits * n_rows * d;
+  int* tickets = reinterpret_cast<int*>(L_part + splits * n_rows);
+  CUDA_CHECK(cudaMemsetAsync(tickets, 0, blocks * sizeof(int), stream));
   launch(kernel, grid, 128, smem, stream, rows<const T>(Q), K_arg, V_arg, rows<T>(O),
-         ptr<float>(L), ptr<float>(O_part), ptr<float>(L_part), sc, seqlens_k, G);
-  const int64_t n_rows = int64_t(B) * H_q * N_q;  // one warp each, 4 per block
-  launch(flash_merge_splits<T, d>, dim3((n_rows + 3) / 4), 128, 0, stream, ptr<float>(O_part), ptr<float>(L_part),
-         rows<T>(O), ptr<float>(L), splits, n_rows, H_q, N_q);
+         ptr<float>(L), O_part, L_part, sc, seqlens_k, G, tickets);
 }
 #else
 ;

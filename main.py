@@ -17,6 +17,7 @@ traces flash_attention without a graph break.
 `python main.py` builds the kernels for this GPU, checks every available kernel forward and backward
 against float64 and prints a table. Without a GPU it checks reference.py against dense attention instead.
 """
+import contextlib
 import functools
 import importlib.util
 import math
@@ -196,13 +197,24 @@ def _readable(t):
     """t as the kernels read it: the last dimension contiguous, the other strides multiples of 16 bytes, the
     data 16-byte aligned (the kernels read 16 bytes at a time). Anything else is copied once."""
     step = 16 // t.element_size()
+    if t.is_contiguous() and t.shape[-1] % step == 0 and t.data_ptr() % 16 == 0:  # the common case, checked first
+        return t
     if t.stride(-1) != 1 or any(s % step for n, s in zip(t.shape[:-1], t.stride()[:-1]) if n > 1):
         t = t.contiguous()
     return t if t.data_ptr() % 16 == 0 else t.clone()
 
 
+# The Python side of a call costs as much as a short decoding step on the GPU, so the two helpers below take
+# the cheap paths: the raw stream (torch.cuda.current_stream builds a Stream object), and no device switch
+# where the tensors are on the current device already.
 def _stream(t):
-    return torch.cuda.current_stream(t.device).cuda_stream
+    """The current CUDA stream of t's device, as the int the extensions take."""
+    return torch._C._cuda_getCurrentRawStream(t.device.index)
+
+
+def _on_device(t):
+    """torch.cuda.device(t.device) where that is not the current device: the extensions launch on the current one."""
+    return contextlib.nullcontext() if t.device.index == torch.cuda.current_device() else torch.cuda.device(t.device)
 
 
 def _padded(t, D):
@@ -222,7 +234,7 @@ def _run_forward(q, k, v, window, scale, softcap, alibi_slopes, kernel, seqlens_
         return torch.zeros_like(q), q.new_full(q.shape[:-1], -math.inf, dtype=torch.float32)
     d, D = q.shape[-1], tile_dim(kernel, q.shape[-1])
     q_, k_, v_ = (_readable(_padded(t, D)) for t in (q, k, v))
-    with torch.cuda.device(q.device):
+    with _on_device(q):
         o, L = load(kernel, D, packed is not None, dropout_p > 0).forward(
             q_, k_, v_, *window, scale, softcap, alibi_slopes, seqlens_k, *(packed or (None, None, 0, 0)),
             dropout_p, dropout_key if dropout_p > 0 else None, _stream(q))
@@ -279,7 +291,7 @@ def _run_backward(do, dL, q, k, v, o, L, window_left, window_right, scale, softc
     if DTYPES[dtype] not in KERNELS[name]["dtypes"]:
         tensors = [t.float() for t in tensors]  # the fallback: the fp32 backward on upcast inputs
     q_, k_, v_, o_, do_ = tensors
-    with torch.cuda.device(q.device):
+    with _on_device(q):
         dq, dk, dv = load(name, D, packed is not None, dropout_p > 0, deterministic).backward(
             q_, k_, v_, o_, L, do_, dL, window_left, window_right, scale, softcap, alibi_slopes,
             *(packed or (None, None, 0, 0)), dropout_p, dropout_key if dropout_p > 0 else None, _stream(q))
@@ -688,7 +700,7 @@ def _quantize(x: torch.Tensor, mean: Optional[torch.Tensor], signs: Optional[tor
     """x (B, H, N, d) padded to (B, H, N, D) -> x_hat and its scales (flash.cu's quantize). (The checks and the
     copies that need the GPU or the data's address run here, where torch.compile leaves them to run.)"""
     kernel = _eight_bit_kernel(torch.float8_e4m3fn if fp8 else torch.int8, x.device)
-    with torch.cuda.device(x.device):
+    with _on_device(x):
         return load(kernel, D).quantize(_readable(_padded(x, D)), mean, signs, transpose, _stream(x))
 
 
@@ -706,7 +718,7 @@ def _forward_8bit(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_scale: to
                   v_scale: Optional[torch.Tensor], v_transposed: bool, window_left: int, window_right: int,
                   scale: float, bf16: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """O (B, H_q, N_q, D) and L of quantized inputs (flash.cu's 8-bit forward)."""
-    with torch.cuda.device(q.device):  # (int8: v as given, padded to q's tile width here)
+    with _on_device(q):  # (int8: v as given, padded to q's tile width here)
         return load(EIGHT_BIT[q.dtype], q.shape[-1]).forward(
             q, k, v if v.dtype == q.dtype else _readable(_padded(v, q.shape[-1])), q_scale, k_scale, v_scale,
             v_transposed, window_left, window_right, scale, bf16, _stream(q))
