@@ -1616,7 +1616,8 @@ flash_bwd_dq_ampere(Rows<const T> Q, Rows<const T> K, Rows<const T> V, Rows<cons
 // with one 16-row tile):
 //   S (16, 16)  = Q (16, d) K_j[16w .. 16w+15]^T      d/16 x 2 mma
 //   O (16, d)  += P (16, 16) V_j[16w .. 16w+15]       d/8 mma
-// seqlens_k (B), if given, is each sequence's own number of keys (a KV cache with room to spare).
+// seqlens_k (B), if given, is each sequence's own number of keys (a KV cache with room to spare); tickets, with
+// several splits, one int per tile (B * H_kv * tiles), zero at launch.
 // DecodeBlock holds what the Ampere and Hopper decoding kernels share; they differ in how K_j, V_j arrive.
 template <typename T, int d>
 struct DecodeBlock {
