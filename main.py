@@ -744,11 +744,8 @@ def quantize(q, k, v, dtype=torch.float8_e4m3fn, rotate=False, smooth_k=None, tr
     q k^T unchanged and spreads outlier channels (FlashAttention-3's incoherent processing). smooth_k (default: on
     for int8): k minus its mean over the keys, which the softmax cancels. transpose_v (fp8): v written transposed,
     so that the kernel need not transpose it. One fused kernel per tensor (a second pass, for k's mean, if smoothed)."""
-    for name, t in (("q", q), ("k", k), ("v", v)):
-        if not isinstance(t, torch.Tensor) or t.dim() != 4:
-            raise ValueError(f"{name} must be a 4-dimensional tensor (B, H, N, d), got "
-                             + (f"shape {tuple(t.shape)}" if isinstance(t, torch.Tensor) else type(t).__name__))
-        if t.dtype not in (torch.float16, torch.bfloat16):
+    for name, t in (("q", q), ("k", k), ("v", v)):  # (the rest of flash_attention's checks follow)
+        if isinstance(t, torch.Tensor) and t.dtype not in (torch.float16, torch.bfloat16):
             raise TypeError(f"8-bit attention quantizes float16 or bfloat16 inputs; {name} is {t.dtype}")
     _check_inputs(q, k, v, False, None, "auto", False)
     if dtype not in EIGHT_BIT:
