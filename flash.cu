@@ -1958,32 +1958,34 @@ __device__ inline void wgmma_m64nNk16_rs(float (&acc)[n / 8][4], const uint32_t 
   if constexpr (n == 128 && !half) WGMMA_RS("128", "bf16", REGS_N128, "{%64, %65, %66, %67}, %68", ACC_N128);
 }
 
-// Columns c0 .. c0+n-1 of a B operand that is N-major (V_j, dO_i, Q_i, K_j as stored, for products with n = d or
-// d/2) in panels of 64 columns, lbo bytes apart, from shared address b: one wgmma per piece, each with the
-// same A. A descriptor addresses 64 columns within one panel, or two whole panels through LBO, so the
-// pieces are the widest of 128, 64, 32, 16 that start at c and do not cross into a panel part-way.
-__host__ __device__ constexpr int piece_width(int c, int n) {
-  return c % 64 == 0 && n >= 128 ? 128 : c % 64 == 0 && n >= 64 ? 64 : c % 64 <= 32 && n >= 32 ? 32 : 16;
+// Columns c .. c+n-1 of a B operand that is N-major (V_j, dO_i, Q_i, K_j as stored, for products with n = d or
+// a part of d) in panels of 64 columns, lbo bytes apart, from shared address b: one wgmma per piece, each with
+// the same A. A descriptor addresses 64 columns within one panel, or two whole panels through LBO, so the
+// pieces are the widest of 128, 64, 32, 16 that cannot cross into a panel part-way, knowing only that c is a
+// multiple of `align` (a power of two; c = 0: any). The widths are fixed at compile time and c is not, so
+// that the hopper backward's two consumers run the same instructions on different columns (see there).
+// The pieces' accumulators are the columns of acc they cover: acc[w / 8] on are the columns from c + w.
+__host__ __device__ constexpr int piece_width(int align, int n) {
+  return align >= 64 && n >= 128 ? 128 : align >= 64 && n >= 64 ? 64 : align >= 32 && n >= 32 ? 32 : 16;
 }
-// (the pieces' accumulators are the columns of acc they cover: acc[w / 8] on are the columns from w)
-// acc (64, n) (+)= A (64, 16) B[:, c0 .. c0+n), A in shared memory (descriptor a)
-template <typename T, int c0, int n, int trans_a>
-__device__ void wgmma_ss_cols(float (&acc)[n / 8][4], uint64_t a, uint32_t b, uint32_t lbo, bool accumulate) {
-  static_assert(c0 % 16 == 0 && n % 16 == 0, "pieces of 16 columns or more");
-  constexpr int w = piece_width(c0, n);
-  wgmma_ss<T, w, trans_a, 1>(reinterpret_cast<float(&)[w / 8][4]>(acc), a,
-                             smem_desc(b + c0 / 64 * lbo + c0 % 64 * 2, lbo), accumulate);
+// acc (64, n) (+)= A (64, 16) B[:, c .. c+n), A in shared memory (descriptor a)
+template <typename T, int n, int align, int trans_a>
+__device__ void wgmma_ss_cols(float (&acc)[n / 8][4], uint64_t a, uint32_t b, int c, uint32_t lbo, bool accumulate) {
+  static_assert(align % 16 == 0 && n % 16 == 0, "pieces of 16 columns or more");
+  constexpr int w = piece_width(align, n);
+  wgmma_ss<T, w, trans_a, 1>(reinterpret_cast<float(&)[w / 8][4]>(acc), a, smem_desc(b + c / 64 * lbo + c % 64 * 2, lbo),
+                             accumulate);
   if constexpr (w < n)
-    wgmma_ss_cols<T, c0 + w, n - w, trans_a>(reinterpret_cast<float(&)[(n - w) / 8][4]>(acc[w / 8]), a, b, lbo,
-                                             accumulate);
+    wgmma_ss_cols<T, n - w, (align < w ? align : w), trans_a>(reinterpret_cast<float(&)[(n - w) / 8][4]>(acc[w / 8]),
+                                                             a, b, c + w, lbo, accumulate);
 }
-// acc (64, n) += A (64, 16) B[:, c0 .. c0+n), A in registers (the m16n8k16 A fragment of this warp's rows)
-template <typename T, int c0, int n>
+// acc (64, n) += A (64, 16) B[:, 0 .. n), A in registers (the m16n8k16 A fragment of this warp's rows)
+template <typename T, int n, int c = 0>
 __device__ void wgmma_rs_cols(float (&acc)[n / 8][4], const uint32_t (&a)[4], uint32_t b, uint32_t lbo) {
-  static_assert(c0 % 32 == 0 && n % 32 == 0, "pieces of 32 columns or more");
-  constexpr int w = piece_width(c0, n);
-  wgmma_m64nNk16_rs<T, w>(reinterpret_cast<float(&)[w / 8][4]>(acc), a, smem_desc(b + c0 / 64 * lbo + c0 % 64 * 2, lbo));
-  if constexpr (w < n) wgmma_rs_cols<T, c0 + w, n - w>(reinterpret_cast<float(&)[(n - w) / 8][4]>(acc[w / 8]), a, b, lbo);
+  static_assert(n % 32 == 0, "pieces of 32 columns or more");
+  constexpr int w = piece_width(c == 0 ? 64 : c & -c, n);
+  wgmma_m64nNk16_rs<T, w>(reinterpret_cast<float(&)[w / 8][4]>(acc), a, smem_desc(b + c / 64 * lbo + c % 64 * 2, lbo));
+  if constexpr (w < n) wgmma_rs_cols<T, n - w, c + w>(reinterpret_cast<float(&)[(n - w) / 8][4]>(acc[w / 8]), a, b, lbo);
 }
 
 // All n/16 slices of S as A fragments (the A operand of a wgmma from registers has the same layout).
@@ -2157,7 +2159,7 @@ flash_fwd_hopper(const __grid_constant__ CUtensorMap Q_map, const __grid_constan
     // bytes) in slice kk. Only issued; afterwards this warp releases stage s once wgmma_wait has collected O_i.
     auto issue_PV = [&](int n) {
       const int s = n % STAGES;
-      for (int kk = 0; kk < B_c / 16; kk++) wgmma_rs_cols<T, 0, d>(O_i, P[kk], V_s(s) + kk * 2048, B_c * 128);
+      for (int kk = 0; kk < B_c / 16; kk++) wgmma_rs_cols<T, d>(O_i, P[kk], V_s(s) + kk * 2048, B_c * 128);
       wgmma_commit();
     };
     mbar_wait(Q_full, 0);
@@ -2294,18 +2296,12 @@ flash_bwd_hopper(const __grid_constant__ CUtensorMap Q_map, const __grid_constan
     const float dropout_scale = DROPOUT ? sc.dropout.scale : 1.f, dS_scale = scale * dropout_scale;  // (see P_and_dS)
     float dK_j[ND / 8][4] = {}, dV_j[ND / 8][4] = {};                          // l.7: dK_j = dV_j = 0
     float S[NQ / 8][4], dP[NQ / 8][4];  // S_ij^T, then P_ij^T; dP_ij^T, then dS_ij^T
-    // f(Int<first column>) for this consumer's columns: the pieces of a product (wgmma_ss_cols) are fixed at
-    // compile time
-    auto at_columns = [&](auto f) {
-      if (wg == 1) f(Int<0>{});
-      else f(Int<d / 2>{});
-    };
-
     // S_ij^T = K_j Q_i^T (l.10) and dP_ij^T = V_j dO_i^T (l.13) for query block i, as two groups: k slice kk
     // is 32 bytes * (kk % 4) into panel kk / 4 of each operand, as in the forward
     auto issue_S_dP = [&](int i) {
       const int s = stage(i);
       mbar_wait(full(s), round(i) % 2);  // Q_i, dO_i, L_i and D_i have landed
+      wgmma_fence();  // S and dP were last used by ordinary instructions (see the loop below)
       for (int kk = 0; kk < d / 16; kk++)
         wgmma_ss<T, NQ>(S, smem_desc(K_s + kk / 4 * B_c * 128 + key0 * 128 + kk % 4 * 32, 0),
                         smem_desc(Q_s(s) + kk / 4 * B_r * 128 + q0 * 128 + kk % 4 * 32, 0), kk > 0);
@@ -2316,44 +2312,42 @@ flash_bwd_hopper(const __grid_constant__ CUtensorMap Q_map, const __grid_constan
       wgmma_commit();
     };
     // dV_j += P_ij^T dO_i (l.12) and dK_j += dS_ij^T Q_i (l.16), one group. Slice kk: queries 16kk.., which
-    // are 32 bytes * kk into the rows of P^T and dS^T (K-major) and rows 16kk.. of dO_i and Q_i (N-major)
+    // are 32 bytes * kk into the rows of P^T and dS^T (K-major) and rows 16kk.. of dO_i and Q_i (N-major);
+    // columns n0.. (a multiple of ND: the pieces suit both consumers)
     auto issue_dV_dK = [&](int i) {
       const int s = stage(i);
-      at_columns([&](auto first) {
-        constexpr int c0 = split_keys ? 0 : decltype(first)::value;
-        for (int kk = 0; kk < B_r / 16; kk++)
-          wgmma_ss_cols<T, c0, ND, 0>(dV_j, smem_desc(P_s(i) + key0 * 128 + kk * 32, 0), dO_s(s) + kk * 2048,
-                                      B_r * 128, true);
-        for (int kk = 0; kk < B_r / 16; kk++)
-          wgmma_ss_cols<T, c0, ND, 0>(dK_j, smem_desc(dS_s(i) + key0 * 128 + kk * 32, 0), Q_s(s) + kk * 2048,
-                                      B_r * 128, true);
-      });
+      constexpr int align = split_keys ? 64 : ND & -ND;
+      wgmma_fence();
+      for (int kk = 0; kk < B_r / 16; kk++)
+        wgmma_ss_cols<T, ND, align, 0>(dV_j, smem_desc(P_s(i) + key0 * 128 + kk * 32, 0), dO_s(s) + kk * 2048, n0,
+                                       B_r * 128, true);
+      for (int kk = 0; kk < B_r / 16; kk++)
+        wgmma_ss_cols<T, ND, align, 0>(dK_j, smem_desc(dS_s(i) + key0 * 128 + kk * 32, 0), Q_s(s) + kk * 2048, n0,
+                                       B_r * 128, true);
       wgmma_commit();
     };
-    // dQ_i's piece = dS_ij K_j (l.15), added into dQ: its columns DQ at a time, first.. (halves at d = 192,
-    // 256: at most 64 registers beside dK_j and dV_j). Slice kk: keys 16kk.., rows of dS^T (M-major) and of K_j
-    // (N-major)
-    constexpr int DQ = d / 2 > 64 && d / 4 % 16 == 0 ? d / 4 : d / 2;
-    auto dQ_pass = [&](int i, auto first) {
-      constexpr int c0 = decltype(first)::value;
-      float dQ_i[DQ / 8][4];
-      for (int kk = 0; kk < B_c / 16; kk++)
-        wgmma_ss_cols<T, c0, DQ, 1>(dQ_i, smem_desc(dS_s(i) + 16 * kk * 128, 0), K_s + 16 * kk * 128, B_c * 128, kk > 0);
-      wgmma_commit();
-      wgmma_wait<0>(dQ_i);
-      for (int h = 0; h < 2; h++) {
-        const int r = i * B_r + 16 * warp + g + 8 * h;  // dQ_i's rows are queries: this lane's are r, r + 8
-        if (r < N_q)
-          for (int nt = 0; nt < DQ / 8; nt++)
-            atomic_add_pair(&dQ[(size_t)r * d + c0 + 8 * nt + 2 * t], dS_scale * dQ_i[nt][2 * h],
-                            dS_scale * dQ_i[nt][2 * h + 1]);
-      }
-    };
+    // dQ_i's piece = dS_ij K_j (l.15), added into dQ: this consumer's columns (wg-1) d/2 .., DQ at a time (two
+    // passes at d = 256: at most 64 registers beside dK_j and dV_j). Slice kk: keys 16kk.., rows of dS^T
+    // (M-major) and of K_j (N-major)
+    constexpr int DQ = d / 2 > 96 ? d / 4 : d / 2;
     auto dQ_piece = [&](int i) {
-      at_columns([&](auto first) {
-        dQ_pass(i, first);
-        if constexpr (DQ < d / 2) dQ_pass(i, Int<decltype(first)::value + DQ>{});
-      });
+      for (int pass = 0; pass < d / 2 / DQ; pass++) {
+        const int c0 = (wg - 1) * d / 2 + pass * DQ;
+        float dQ_i[DQ / 8][4];
+        wgmma_fence();
+        for (int kk = 0; kk < B_c / 16; kk++)
+          wgmma_ss_cols<T, DQ, DQ & -DQ, 1>(dQ_i, smem_desc(dS_s(i) + 16 * kk * 128, 0), K_s + 16 * kk * 128, c0,
+                                           B_c * 128, kk > 0);
+        wgmma_commit();
+        wgmma_wait<0>(dQ_i);
+        for (int h = 0; h < 2; h++) {
+          const int r = i * B_r + 16 * warp + g + 8 * h;  // dQ_i's rows are queries: this lane's are r, r + 8
+          if (r < N_q)
+            for (int nt = 0; nt < DQ / 8; nt++)
+              atomic_add_pair(&dQ[(size_t)r * d + c0 + 8 * nt + 2 * t], dS_scale * dQ_i[nt][2 * h],
+                              dS_scale * dQ_i[nt][2 * h + 1]);
+        }
+      }
     };
     auto release = [&](int i) {  // every consumer thread has finished reading block i's stage (L_i and D_i
       mbar_arrive(empty(stage(i)));  // included: each thread arrives after its own reads)
@@ -2414,20 +2408,20 @@ flash_bwd_hopper(const __grid_constant__ CUtensorMap Q_map, const __grid_constan
       store_panel<T, NQ>(dS_s(i), dP, key0 + 16 * warp + g, q0, g, t);
       asm volatile("fence.proxy.async.shared::cta;" ::: "memory");  // the stores are visible to wgmma
       asm volatile("bar.sync 1, 256;" ::: "memory");  // both consumers have stored dS_ij^T
-      wgmma_fence();
       if (!DETERMINISTIC) dQ_piece(i);  // (else dQ comes from flash_bwd_dq_ampere)
     };
 
     // Nothing is in flight across the loop's back edge, so that the compiler can keep the accumulators in
-    // place (a product in flight there made it move them, and serialize every wgmma).
+    // place (a product in flight there made it move them, and serialize every wgmma). For the same reason each
+    // group of products starts with its own wgmma_fence, after any wait and inside any branch on the consumer
+    // (at_columns): with one fence before the branch, ptxas added a warpgroup.arrive of its own inside it and
+    // then waited after every wgmma of the kernel (its messages C7519 and C7520).
     mbar_wait(KV_full, 0);
-    wgmma_fence();
     issue_S_dP(i_start);
     wgmma_commit();  // an empty group in place of dV, dK keeps P_and_dS's counting
     P_and_dS(i_start);
     store_and_dQ(i_start);
     for (int i = i_start; i + 1 < i_end; i++) {                                 // l.8
-      wgmma_fence();  // S and dP were last used by ordinary instructions
       issue_S_dP(i + 1);
       issue_dV_dK(i);
       P_and_dS(i + 1);
@@ -2435,7 +2429,6 @@ flash_bwd_hopper(const __grid_constant__ CUtensorMap Q_map, const __grid_constan
       release(i);
       store_and_dQ(i + 1);
     }
-    wgmma_fence();
     issue_dV_dK(i_end - 1);
     wgmma_wait<0>(dV_j, dK_j);
     release(i_end - 1);
