@@ -21,7 +21,8 @@
 //   7. hopper           wgmma (operands from shared memory by descriptors, P_ij from         sm_90a
 //                       registers), TMA loads by a producer warpgroup into mbarrier stages;
 //                       forward: two consumer warpgroups taking turns; backward: P and dS
-//                       through shared memory, overlapped with the previous block's products
+//                       through shared memory, overlapped with the previous block's products, dQ
+//                       added by TMA reductions
 //   8. 8-bit            forward only: flash_quantize (one scale per 128 rows, optional Hadamard      sm_80+
 //                       rotation); fp8 on wgmma (e4m3, V_j^T by ldmatrix.trans + byte permutes +
 //                       stmatrix, P_ij in e4m3) on sm_90a; int8 is the ampere kernel with S_ij from
@@ -1882,6 +1883,15 @@ __device__ inline void tma_load(uint32_t dst, const CUtensorMap& map, int col, S
                ::"r"(dst), "l"(reinterpret_cast<uint64_t>(&map)), "r"(col), "r"(seq.first + row), "r"(h), "r"(seq.b),
                "r"(bar) : "memory");
 }
+// The other way, adding: for (r, c) in the map's box (rows, 32) of fp32, X[b][h][first + row + r][col + c] +=
+// src[swizzled (r, c)], rows past the map's dropped. The reduction runs on its own: commit_group closes a group
+// of them, and wait_group.read n waits until at most n groups are still reading shared memory (wait_group n:
+// until they have finished writing).
+__device__ inline void tma_reduce_add(uint32_t src, const CUtensorMap& map, int col, Sequence seq, int row, int h) {
+  asm volatile("cp.reduce.async.bulk.tensor.4d.global.shared::cta.add.tile.bulk_group [%0, {%1, %2, %3, %4}], [%5];"
+               ::"l"(reinterpret_cast<uint64_t>(&map)), "r"(col), "r"(seq.first + row), "r"(h), "r"(seq.b), "r"(src)
+               : "memory");
+}
 
 // The descriptor of a 128-byte-swizzled operand at shared address addr (1024-aligned panel + k offset).
 __device__ inline uint64_t smem_desc(uint32_t addr, uint32_t lbo) {
@@ -2181,6 +2191,20 @@ __device__ void store_panel(uint32_t panel, const float (&X)[n / 8][4], int row,
       asm volatile("st.shared.u32 [%0], %1;" ::"r"(panel + (row + 8 * h) * 128 + ((c0 / 8 + nt) ^ g) * 16 + 4 * t),
                    "r"(pack<T>(X[nt][2 * h], X[nt][2 * h + 1])) : "memory");
 }
+// The same for fp32, times `factor`, into columns c0 .. c0+n-1 of a (rows, n) tile in panels of 32 columns (128-byte
+// rows, the 128-byte swizzle: TMA's layout of an fp32 box), panel_bytes apart: column x is panel x / 32, 16-byte
+// piece x % 32 / 4, which the swizzle moves to piece (x % 32 / 4) ^ g.
+template <int n>
+__device__ void store_panels_fp32(uint32_t tile, uint32_t panel_bytes, const float (&X)[n / 8][4], float factor, int row,
+                                  int c0, int g, int t) {
+  for (int nt = 0; nt < n / 8; nt++)
+    for (int h = 0; h < 2; h++) {
+      const int x = c0 + 8 * nt + 2 * t;
+      asm volatile("st.shared.v2.f32 [%0], {%1, %2};"
+                   ::"r"(tile + x / 32 * panel_bytes + (row + 8 * h) * 128 + ((x % 32 / 4) ^ g) * 16 + x % 4 * 4),
+                   "f"(factor * X[nt][2 * h]), "f"(factor * X[nt][2 * h + 1]) : "memory");
+    }
+}
 
 // By one warp: L_i log2(e) and D_i of query rows row0 .. row0 + B_r - 1 into LD (2, B_r), 0 past N. (dropout: D_i
 // times D_factor = 1 - p; see the hopper backward.)
@@ -2193,12 +2217,16 @@ __device__ void copy_L_D(float* LD, const float* L, const float* D, int row0, in
   }
 }
 
+// Whether the hopper backward adds dQ_i by TMA from an fp32 tile in shared memory (else by atomics from registers):
+// the tile, (B_r = 64, d) fp32, fits beside the others up to d = 192.
+constexpr bool dQ_staged(int d) { return !DETERMINISTIC && d <= 192; }
+
 // fp16/bf16 backward on Hopper (sm_90a): FlashAttention-2's Algorithm 2 with the forward's producer
 // warpgroup and mbarrier stages, and the Ampere backward's transposed products.
 // Grid (T_c, H_q, B): one block per key block K_j, V_j of one query head (dK_j, dV_j per query head: the host
 // sums a group's), looping over query blocks (B_r = 64). Warpgroup 0 is the producer: one thread loads K_j
-// and V_j once, then Q_i and dO_i into STAGES stages with TMA, and warp 1 copies L_i and D_i beside them.
-// Up to d = 128, B_c = 128 and consumer c = 1, 2 owns keys 64(c-1) .. 64c-1 of the block, and so the rows of
+// and V_j once, then Q_i and dO_i into STAGES stages with TMA, warp 1 copies L_i and D_i beside them, and warp 2
+// adds dQ_i into dQ (below). Up to d = 128, B_c = 128 and consumer c = 1, 2 owns keys 64(c-1) .. 64c-1 of the block, and so the rows of
 // its transposed products (warp w: keys 16w .. 16w+15 of the 64):
 //   S_ij^T  (64, B_r) = K_j Q_i^T      d/16 wgmma m64n64k16
 //   dP_ij^T (64, B_r) = V_j dO_i^T     d/16 wgmma m64n64k16
@@ -2211,19 +2239,23 @@ __device__ void copy_L_D(float* LD, const float* L, const float* D, int row0, in
 // of the keys. Consumer c computes queries 32(c-1) .. 32c-1 of S_ij^T and dP_ij^T (m64n32k16), and columns
 // (c-1) d/2 .. c d/2 - 1 of dV_j and dK_j over all 64 keys, reading both consumers' P_ij^T and dS_ij^T.
 // dQ_i sums over the keys of both consumers: after a barrier that joins them, consumer c computes columns
-// (c-1) d/2 .. c d/2 - 1 over all B_c keys and adds them into an fp32 dQ with atomics. (Each consumer adding all columns
-// over its own 64 keys would double the atomic traffic, which at d = 64 made the backward slower.) P_ij^T and
+// (c-1) d/2 .. c d/2 - 1 over all B_c keys. Up to d = 192 the consumers store dQ_i into an fp32 tile in shared
+// memory, and warp 2 adds the tile into the fp32 dQ with TMA reductions (whole 128-byte rows, at no cost to the
+// consumers; with one atomic per pair of entries from the consumers' registers, as at d = 256 where the tile does
+// not fit, forward + backward took 1.04-1.10x as long at d = 64 and 1.07-1.18x at d = 128 on an H100). (Each consumer adding all columns
+// over its own 64 keys would double the additions, which at d = 64 made the backward slower.) P_ij^T and
 // dS_ij^T have two buffers each: block i's are written while block i-1's may still be
 // read. The CUDA cores compute block i's P and dS while the tensor cores compute block i-1's dV_j and dK_j:
 //   issue S^T, dP^T of block i_start
 //   for i: wait S_ij^T: P_ij^T = exp(S - L_i);  wait dP_ij^T: dS_ij^T = P o (dP - D_i)
 //          wait dV, dK of block i-1: release its stage;  store P_ij^T, dS_ij^T;  barrier
-//          issue dQ_i; wait: add it into dQ;  issue S^T, dP^T of block i+1, then dV, dK of block i
+//          issue dQ_i; wait: store it for warp 2;  issue S^T, dP^T of block i+1, then dV, dK of block i
 template <typename T, int d, int B_c, int STAGES>
 __global__ void __launch_bounds__(384, 1)
 flash_bwd_hopper(const __grid_constant__ CUtensorMap Q_map, const __grid_constant__ CUtensorMap K_map,
                  const __grid_constant__ CUtensorMap V_map, const __grid_constant__ CUtensorMap dO_map,
-                 const float* __restrict__ L, const float* __restrict__ D, float* __restrict__ dQ, Rows<T> dK,
+                 const __grid_constant__ CUtensorMap dQ_map, const float* __restrict__ L, const float* __restrict__ D,
+                 float* __restrict__ dQ, Rows<T> dK,
                  Rows<T> dV, Scores sc, int group, float scale) {
 #if SM90A
   constexpr bool split_keys = B_c == 128;  // the consumers split the keys (else the columns: see above)
@@ -2238,7 +2270,8 @@ flash_bwd_hopper(const __grid_constant__ CUtensorMap Q_map, const __grid_constan
   auto dO_s = [&](int s) { return Q_s(s) + Q_bytes; };                // dO_i in stage s (B_r, d)
   auto P_s = [&](int i) { return Q_s(STAGES) + i % 2 * 2 * P_bytes; };  // P_ij^T (B_c, B_r), buffer i % 2
   auto dS_s = [&](int i) { return P_s(i) + P_bytes; };                  // dS_ij^T (B_c, B_r), buffer i % 2
-  auto LD_s = [&](int s) { return Q_s(STAGES) + 4 * P_bytes + s * 2 * B_r * 4; };  // L_i log2(e), D_i (2, B_r)
+  const uint32_t dQ_s = Q_s(STAGES) + 4 * P_bytes;  // dQ_i (B_r, d) fp32 in panels of 32 columns (if staged)
+  auto LD_s = [&](int s) { return dQ_s + (dQ_staged(d) ? B_r * d * 4 : 0) + s * 2 * B_r * 4; };  // L_i log2(e), D_i
   const uint32_t KV_full = LD_s(STAGES);                                // then the mbarriers, 8 bytes each
   auto full = [&](int s) { return KV_full + 8 * (1 + s); };
   auto empty = [&](int s) { return KV_full + 8 * (1 + STAGES + s); };
@@ -2285,6 +2318,20 @@ flash_bwd_hopper(const __grid_constant__ CUtensorMap Q_map, const __grid_constan
                       1.f / sc.dropout.scale);
         mbar_arrive(full(s));
       }
+    } else if (threadIdx.x / 32 == 2 && dQ_staged(d)) {  // warp 2: dQ_i += the consumers' tile, by TMA (l.15)
+      const Sequence queries(mask.cu_q);
+      asm volatile("bar.arrive 3, 288;" ::: "memory");  // the tile is free
+      for (int i = i_start; i < i_end; i++) {
+        asm volatile("bar.sync 2, 288;" ::: "memory");  // the consumers have stored block i's dQ_i
+        if (threadIdx.x % 32 == 0) {
+          for (int p = 0; p < d / 32; p++) tma_reduce_add(dQ_s + p * B_r * 128, dQ_map, 32 * p, queries, i * B_r, blockIdx.y);
+          asm volatile("cp.async.bulk.commit_group;" ::: "memory");
+          asm volatile("cp.async.bulk.wait_group.read 0;" ::: "memory");  // the tile has been read
+        }
+        __syncwarp();
+        if (i + 1 < i_end) asm volatile("bar.arrive 3, 288;" ::: "memory");  // the tile is free
+      }
+      if (threadIdx.x % 32 == 0) asm volatile("cp.async.bulk.wait_group 0;" ::: "memory");  // and added
     }
   } else {  // consumer warpgroup wg
     asm volatile("setmaxnreg.inc.sync.aligned.u32 240;");
@@ -2340,12 +2387,19 @@ flash_bwd_hopper(const __grid_constant__ CUtensorMap Q_map, const __grid_constan
                                            B_c * 128, kk > 0);
         wgmma_commit();
         wgmma_wait<0>(dQ_i);
-        for (int h = 0; h < 2; h++) {
-          const int r = i * B_r + 16 * warp + g + 8 * h;  // dQ_i's rows are queries: this lane's are r, r + 8
-          if (r < N_q)
-            for (int nt = 0; nt < DQ / 8; nt++)
-              atomic_add_pair(&dQ[(size_t)r * d + c0 + 8 * nt + 2 * t], dS_scale * dQ_i[nt][2 * h],
-                              dS_scale * dQ_i[nt][2 * h + 1]);
+        if constexpr (dQ_staged(d)) {  // into the tile, which warp 2 adds into dQ
+          asm volatile("bar.sync 3, 288;" ::: "memory");  // warp 2 has finished reading the tile (block i-1)
+          store_panels_fp32<DQ>(dQ_s, B_r * 128, dQ_i, dS_scale, 16 * warp + g, c0, g, t);
+          asm volatile("fence.proxy.async.shared::cta;" ::: "memory");  // the stores are visible to TMA
+          asm volatile("bar.arrive 2, 288;" ::: "memory");
+        } else {
+          for (int h = 0; h < 2; h++) {
+            const int r = i * B_r + 16 * warp + g + 8 * h;  // dQ_i's rows are queries: this lane's are r, r + 8
+            if (r < N_q)
+              for (int nt = 0; nt < DQ / 8; nt++)
+                atomic_add_pair(&dQ[(size_t)r * d + c0 + 8 * nt + 2 * t], dS_scale * dQ_i[nt][2 * h],
+                                dS_scale * dQ_i[nt][2 * h + 1]);
+          }
         }
       }
     };
@@ -2413,9 +2467,10 @@ flash_bwd_hopper(const __grid_constant__ CUtensorMap Q_map, const __grid_constan
 
     // Nothing is in flight across the loop's back edge, so that the compiler can keep the accumulators in
     // place (a product in flight there made it move them, and serialize every wgmma). For the same reason each
-    // group of products starts with its own wgmma_fence, after any wait and inside any branch on the consumer
-    // (at_columns): with one fence before the branch, ptxas added a warpgroup.arrive of its own inside it and
-    // then waited after every wgmma of the kernel (its messages C7519 and C7520).
+    // group of products starts with its own wgmma_fence, after any wait and inside any branch, and both consumers
+    // issue the same pieces (at different columns): with one fence before a branch on the consumer, ptxas added a
+    // warpgroup.arrive of its own inside it and then waited after every wgmma of the kernel (its messages C7519 and
+    // C7520), and with different pieces on two paths it did the same for want of registers (C7511).
     mbar_wait(KV_full, 0);
     issue_S_dP(i_start);
     wgmma_commit();  // an empty group in place of dV, dK keeps P_and_dS's counting
@@ -2875,7 +2930,8 @@ void launch_preprocess(const at::Tensor& O, const at::Tensor& dO, at::Tensor& D,
 
 #if defined(BUILD_hopper) || defined(BUILD_hopper_fp8)
 // A TMA tensor map of X (B, H, N, d) with its own strides (multiples of 16 bytes: main.py checks): boxes of
-// (rows, 128 bytes), 64 16-bit or 128 8-bit elements, stored with the 128-byte swizzle; rows past N read as zeros.
+// (rows, 128 bytes), 64 16-bit, 128 8-bit or 32 fp32 elements, stored with the 128-byte swizzle; rows past N read
+// as zeros.
 // The driver function that encodes it is looked up at run time, so the extension needs no link against libcuda.
 CUtensorMap tensor_map(const at::Tensor& X, int rows) {
   static PFN_cuTensorMapEncodeTiled_v12000 encode = nullptr;
@@ -2892,6 +2948,7 @@ CUtensorMap tensor_map(const at::Tensor& X, int rows) {
   const cuuint32_t box[4] = {cuuint32_t(128 / bytes), cuuint32_t(rows), 1, 1}, steps[4] = {1, 1, 1, 1};
   CUtensorMap map;
   const CUresult err = encode(&map, bytes == 1 ? CU_TENSOR_MAP_DATA_TYPE_UINT8
+                                    : bytes == 4 ? CU_TENSOR_MAP_DATA_TYPE_FLOAT32
                                     : X.scalar_type() == at::kHalf ? CU_TENSOR_MAP_DATA_TYPE_FLOAT16
                                                                    : CU_TENSOR_MAP_DATA_TYPE_BFLOAT16,
                               4, X.data_ptr(), dims, strides, box, steps, CU_TENSOR_MAP_INTERLEAVE_NONE,
@@ -3060,10 +3117,10 @@ void bwd_hopper(const at::Tensor& Q, const at::Tensor& K, const at::Tensor& V, c
   // K_j, V_j; STAGES stages of Q_i, dO_i, L_i, D_i; two buffers of P_ij^T and dS_ij^T; the mbarriers; 1 KB of
   // slack to align the tiles to 1024 bytes
   const size_t smem = (2 * B_c + 2 * STAGES * B_r) * 128 * panels(d) + sizeof(T) * 4 * B_c * B_r +
-                      STAGES * 2 * B_r * 4 + 8 * (1 + 2 * STAGES) + 1024;
+                      (dQ_staged(d) ? B_r * d * 4 : 0) + STAGES * 2 * B_r * 4 + 8 * (1 + 2 * STAGES) + 1024;
   launch(flash_bwd_hopper<T, d, B_c, STAGES>, grid((N_k + B_c - 1) / B_c, Q, sc), 384, smem, stream, tensor_map(Q, B_r),
-         tensor_map(K, B_c), tensor_map(V, B_c), tensor_map(dO, B_r), ptr<float>(L), ptr<float>(D), ptr<float>(dQ),
-         rows<T>(dK, sc.mask.cu_k), rows<T>(dV, sc.mask.cu_k), sc, group(Q, K), scale);
+         tensor_map(K, B_c), tensor_map(V, B_c), tensor_map(dO, B_r), tensor_map(dQ, B_r), ptr<float>(L), ptr<float>(D),
+         ptr<float>(dQ), rows<T>(dK, sc.mask.cu_k), rows<T>(dV, sc.mask.cu_k), sc, group(Q, K), scale);
 }
 #define KERNEL "hopper"
 #define HAS_BACKWARD
@@ -3237,7 +3294,7 @@ std::vector<at::Tensor> forward(const at::Tensor& Q, const at::Tensor& K, const 
 }
 
 #ifdef HAS_BACKWARD
-// dQ (B, H_q, N_q, d) fp32, contiguous: atomics add into it, and main.py converts it to Q's dtype (in a
+// dQ (B, H_q, N_q, d) fp32, contiguous: atomics (hopper: TMA reductions) add into it, and main.py converts it to Q's dtype (in a
 // DETERMINISTIC build: in Q's dtype, from bwd_dq, with no atomics and no fp32 copy). dK, dV in K's and V's
 // layouts where dense, else contiguous; with grouped-query attention (H_kv < H_q) they are per query head,
 // (B, H_q, N_k, d), and main.py sums each group's. dL: the gradient of L, if L was used: dS_ij = P_ij o (dP_ij -
