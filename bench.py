@@ -16,6 +16,8 @@
     python bench.py --kernels hopper,ampere,sdpa-flash,sdpa-cudnn,fp8,fp8-kernel,fp8-vt-kernel,int8,int8-kernel \
         --modes fwd --dtype bf16 --seqlens 1024,4096,16384 --out docs/benchmarks/8bit \
         --markdown docs/benchmarks-8bit.md     # 8-bit attention against the 16-bit kernels
+    python bench.py --model --kernels hopper,sdpa,sdpa-flash,sdpa-cudnn --out docs/benchmarks \
+        --markdown docs/benchmarks.md          # a compiled nanoGPT-style training step, attention by each system
 
 --window W gives every query the W keys before it (and, unless causal, the W after it): flash_attention's
 window=(W, W), or (W, 0) when causal; SDPA and manual attention get the same mask as an N x N attn_mask, which is
@@ -28,6 +30,12 @@ random masks (so their rows are timed but not checked). --deterministic runs our
 --decode times one query per sequence (decoding a token) against K, V caches of N_k keys, H_q = 32, d = 128,
 forward only: our split-KV kernels, SDPA and manual attention, in GB/s and % of the GPU's memory bandwidth. It
 writes decode.json and replaces only the section "Decoding" of the markdown page.
+
+--model times a whole training step of a GPT (nanoGPT's GPT-2 small with 6 layers: width 768, 12 heads of d = 64,
+T = 1024, B = 16, bf16 autocast, fused AdamW) compiled by torch.compile, with each system as its attention: the
+speed a user sees in training, where attention is a fraction of the step. Every system starts from the same
+weights and trains on the same batch: their losses must agree (MODEL_LOSS_TOLERANCE). It writes model.json and
+replaces only the section "Inside a model" of the markdown page.
 
 Each system is checked against a float32 reference before it is timed. Row status: ok, OOM, unsupported (an SDPA
 backend refused, or a kernel has no backward for the dtype), MISMATCH (not timed), ERROR. Exit status 2 if a row
@@ -100,6 +108,20 @@ DECODE_COLUMNS = [("dtype", "dtype", 5, "{}"), ("batch", "B", 3, "{}"), ("heads"
                   ("pct_hbm", "%HBM", 5, "{:.1f}"), ("vs_sdpa", "vs SDPA", 7, "{:.2f}x"),
                   ("max_error", "max err", 7, "{:.0e}")]
 DECODE_ROW_FIELDS = [field for field, *_ in DECODE_COLUMNS] + ["note"]
+# Inside a model: nanoGPT's GPT-2 small (width 768, 12 heads of d = 64, GPT-2's vocabulary padded to 50304) with 6
+# layers, at T = 1024 and B = 16, as FlashAttention-3's and nanoGPT's training runs hold it; our kernels run causal.
+MODEL = {"layers": 6, "width": 768, "heads": 12, "seqlen": 1024, "batch": 16, "vocab": 50304}
+MODEL_TITLE = "## Inside a model (a compiled nanoGPT-style training step)"  # the section that --model owns
+MODEL_STEPS = (5, 20)  # warm-up steps (torch.compile compiles in the first), then timed steps
+# Largest relative difference of a system's losses from the first system's, first step and last: the same bf16
+# step in other kernels differs by rounding (about 1e-3 of a loss near 11); a wrong gradient shows after 25 steps.
+MODEL_LOSS_TOLERANCE = 2e-2
+MODEL_COLUMNS = [("system", "system", 10, "{}"), ("status", "status", 11, "{}"), ("ms", "ms/step", 7, "{:.2f}"),
+                 ("tokens_per_s", "tokens/s", 8, "{:.0f}"), ("vs_sdpa", "vs SDPA", 7, "{:.2f}x"),
+                 ("memory_gib", "GiB", 5, "{:.1f}"), ("first_loss", "loss 1", 6, "{:.4f}"),
+                 ("last_loss", f"loss {sum(MODEL_STEPS)}", 7, "{:.4f}")]
+MODEL_ROW_FIELDS = [field for field, *_ in MODEL_COLUMNS] + ["note"]
+SECTIONS = (DECODE_TITLE, MODEL_TITLE)  # sections of the page that their own sweeps write
 
 
 def attention_flops(batch, heads, seqlen, head_dim, causal, mode, window=None):
@@ -174,10 +196,11 @@ def parse_args(argv):
     add("--deterministic", action="store_true", help="our backward without atomics (deterministic=True)")
     add("--warmup", type=float, default=25.0, help="warm-up per measurement in ms (default: %(default)s)")
     add("--rep", type=float, default=100.0, help="measuring time per measurement in ms (default: %(default)s)")
-    add("--out", type=Path, help="folder for results.json (decode.json) and the figures (default: bench_results)")
+    add("--out", type=Path, help="folder for results.json (decode.json, model.json) and the figures (default: "
+        "bench_results)")
     add("--markdown", type=Path, metavar="FILE", help="also write a markdown page (docs/benchmarks.md); with "
         "--decode, only its decoding section")
-    add("--plot-from", type=Path, metavar="FILE", help="redraw a saved results.json or decode.json instead of "
+    add("--plot-from", type=Path, metavar="FILE", help="redraw a saved results.json, decode.json or model.json instead of "
         "running (no GPU)")
     add("--decode", action="store_true", help=f"the decoding sweep instead: N_q = 1, H_q = {DECODE_HEADS}, "
         f"d = {DECODE_HEAD_DIM}, forward; systems: {','.join(decode_systems)} (ours where they run the dtype); "
@@ -186,6 +209,8 @@ def parse_args(argv):
         "%(default)s)")
     add("--decode-seqlens", type=comma_list(int), metavar="LIST", default="4096,32768,131072",
         help="cache lengths N_k (default: %(default)s)")
+    add("--model", action="store_true", help="a compiled nanoGPT-style training step instead (MODEL), one per "
+        "system: ours that take bf16 and SDPA's backends; the flags above from --dtype to --deterministic do not apply")
     add("--decode-kv-heads", type=comma_list(int), metavar="LIST", default="32,8", help=f"K, V heads H_kv, "
         f"divisors of H_q = {DECODE_HEADS} (default: %(default)s)")
     args = parser.parse_args(argv)
@@ -199,7 +224,13 @@ def parse_args(argv):
         if set(args.kernels or []) - set(decode_systems):
             parser.error(f"--decode runs only {','.join(decode_systems)}")
         systems = decode_systems
-    args.systems = [system for system in systems + eight_bit * (not args.decode)
+    if args.model:
+        model_systems = [*SDPA, *(kernel["name"] for kernel in list_kernels() if "bfloat16" in kernel["dtypes"])]
+        model_systems.remove("sdpa-math")  # the N x N matrix of every layer: it runs, but says nothing here
+        if set(args.kernels or []) - set(model_systems):
+            parser.error(f"--model runs only {','.join(model_systems)}")
+        systems = model_systems
+    args.systems = [system for system in systems + eight_bit * (not args.decode and not args.model)
                     if (args.kernels is None and system not in eight_bit) or system in (args.kernels or [])]
     return args
 
@@ -473,6 +504,119 @@ def run_decode(args, command):
             print(table_lines([row], DECODE_COLUMNS)[-1], flush=True)
     return metadata, rows
 
+class Block(torch.nn.Module):
+    """nanoGPT's transformer block: causal self-attention by attend(q, k, v), then an MLP, each after a LayerNorm
+    and added to the residual stream."""
+    def __init__(self, width, heads, attend):
+        super().__init__()
+        self.ln_1, self.ln_2 = torch.nn.LayerNorm(width), torch.nn.LayerNorm(width)
+        self.c_attn, self.c_proj = torch.nn.Linear(width, 3 * width), torch.nn.Linear(width, width)
+        self.mlp = torch.nn.Sequential(torch.nn.Linear(width, 4 * width), torch.nn.GELU(approximate="tanh"),
+                                       torch.nn.Linear(4 * width, width))
+        self.heads, self.attend = heads, attend
+
+    def forward(self, x):  # (B, T, C)
+        B, T, C = x.shape
+        qkv = self.c_attn(self.ln_1(x)).view(B, T, 3, self.heads, C // self.heads)
+        q, k, v = (qkv[:, :, i].transpose(1, 2) for i in range(3))  # (B, H, T, d) views of one projection
+        x = x + self.c_proj(self.attend(q, k, v).transpose(1, 2).reshape(B, T, C))
+        return x + self.mlp(self.ln_2(x))
+
+
+class GPT(torch.nn.Module):
+    """nanoGPT's GPT: token and position embeddings, the blocks, a LayerNorm and the output head tied to the token
+    embedding, initialised as nanoGPT does (N(0, 0.02), zero biases); forward returns the next-token loss."""
+    def __init__(self, attend, layers, width, heads, seqlen, vocab, **_):
+        super().__init__()
+        self.wte, self.wpe = torch.nn.Embedding(vocab, width), torch.nn.Embedding(seqlen, width)
+        self.blocks = torch.nn.ModuleList(Block(width, heads, attend) for _ in range(layers))
+        self.ln_f, self.lm_head = torch.nn.LayerNorm(width), torch.nn.Linear(width, vocab, bias=False)
+        self.lm_head.weight = self.wte.weight
+        for module in self.modules():
+            if isinstance(module, (torch.nn.Linear, torch.nn.Embedding)):
+                torch.nn.init.normal_(module.weight, std=0.02)
+            if isinstance(module, torch.nn.Linear) and module.bias is not None:
+                torch.nn.init.zeros_(module.bias)
+
+    def forward(self, idx, targets):  # (B, T) token ids each
+        x = self.wte(idx) + self.wpe(torch.arange(idx.shape[1], device=idx.device))
+        for block in self.blocks:
+            x = block(x)
+        logits = self.lm_head(self.ln_f(x))  # (autocast computes the loss in float32)
+        return torch.nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten())
+
+
+def bench_model_system(system, tokens):
+    """One system's row: MODEL_STEPS training steps of a compiled GPT with the system's attention, from weights and
+    on a batch that every system shares; the median step after warm-up, its peak memory, the first and last loss."""
+    backend, row = SDPA.get(system), dict.fromkeys(MODEL_ROW_FIELDS) | {"system": system}
+    torch.manual_seed(0)  # the same weights for every system
+    model = GPT(attention_fn(system, causal=True, scale=None), **MODEL).cuda()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=6e-4, weight_decay=0.1, fused=True)
+    compiled = torch.compile(model)
+
+    def step():
+        with torch.autocast("cuda", torch.bfloat16):
+            loss = compiled(tokens[:, :-1], tokens[:, 1:])
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        return loss.detach()
+
+    events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+              for _ in range(MODEL_STEPS[1])]
+    try:
+        with sdpa_kernel(getattr(SDPBackend, backend)) if backend else contextlib.nullcontext():
+            losses = [step() for _ in range(MODEL_STEPS[0])]  # the first compiles: the backend is chosen there
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            for start, end in events:
+                start.record()
+                losses.append(step())
+                end.record()
+            torch.cuda.synchronize()
+    except torch.cuda.OutOfMemoryError:
+        return row | {"status": "OOM"}
+    except Exception as exc:  # a refusing SDPA backend raises RuntimeError (through torch.compile's own errors)
+        note = f"{type(exc).__name__}: {str(exc).strip()[:150]}".splitlines()[0]
+        return row | {"status": "unsupported" if backend else "ERROR", "note": note}
+    finally:
+        torch._dynamo.reset()  # the next system compiles its own graphs
+    ms = sorted(start.elapsed_time(end) for start, end in events)[MODEL_STEPS[1] // 2]
+    return row | {"status": "ok", "ms": ms, "memory_gib": torch.cuda.max_memory_allocated() / 2**30, "first_loss": losses[0].item(),
+                  "last_loss": losses[-1].item()}
+
+
+def add_model_ratios(rows):
+    """Tokens/s, vs SDPA (the time of sdpa, its default backend, over the row's) and the loss check: each system's
+    first and last loss within MODEL_LOSS_TOLERANCE of the first system's, else MISMATCH (a wrong forward or
+    gradient)."""
+    done = [row for row in rows if row["status"] == "ok"]
+    sdpa = next((row["ms"] for row in done if row["system"] == "sdpa"), None)
+    for row in done:
+        row["tokens_per_s"] = MODEL["batch"] * MODEL["seqlen"] / row["ms"] * 1e3
+        row["vs_sdpa"] = sdpa / row["ms"] if sdpa else None
+        differences = [abs(row[key] / done[0][key] - 1) for key in ("first_loss", "last_loss")]
+        worst = math.nan if any(map(math.isnan, differences)) else max(differences)  # (max skips a NaN)
+        if not worst <= MODEL_LOSS_TOLERANCE:
+            row["status"], row["note"] = "MISMATCH", (f"losses differ from {done[0]['system']}'s by "
+                                                      f"{worst:.1e} > {MODEL_LOSS_TOLERANCE:.0e}")
+    return rows
+
+
+def run_model(args, command):
+    """Train the GPT for MODEL_STEPS with each system's attention; print the rows."""
+    shapes = ", ".join(f"{key}={value}" for key, value in MODEL.items()) + ", bf16 autocast, AdamW"
+    _, metadata = prepare(args, command, shapes, [MODEL["width"] // MODEL["heads"]], sweep="model")
+    generator = torch.Generator().manual_seed(0)  # the same batch for every system
+    tokens = torch.randint(MODEL["vocab"], (MODEL["batch"], MODEL["seqlen"] + 1), generator=generator).cuda()
+    rows = []
+    for system in args.systems:
+        rows.append(bench_model_system(system, tokens))
+        print(table_lines(rows[-1:], MODEL_COLUMNS)[-1], flush=True)
+    print("\n".join(table_lines(add_model_ratios(rows), MODEL_COLUMNS)))
+    return metadata, rows
+
 
 def table_lines(rows, columns=COLUMNS):
     """A markdown table whose cells are padded, so that it reads as a plain table too: header, rule, rows."""
@@ -570,19 +714,19 @@ def link(target, page):
     return Path(os.path.relpath(target, page.parent)).as_posix()
 
 
-def section_bounds(lines):
-    """(first, end) of the decoding section in a page's lines: its heading up to the next # or ## heading;
-    None where the page has none."""
-    if DECODE_TITLE not in lines:
+def section_bounds(lines, title=DECODE_TITLE):
+    """(first, end) of a section in a page's lines: its heading up to the next # or ## heading; None where the page
+    has none."""
+    if title not in lines:
         return None
-    first = lines.index(DECODE_TITLE)
+    first = lines.index(title)
     return first, next((i for i in range(first + 1, len(lines)) if lines[i].startswith(("# ", "## "))), len(lines))
 
 
-def replace_section(page, section):
-    """page with its decoding section replaced by section, or with section appended: nothing else changes."""
+def replace_section(page, section, title=DECODE_TITLE):
+    """page with its section of that title replaced by section, or with section appended: nothing else changes."""
     lines = page.splitlines()
-    first, end = section_bounds(lines) or (len(lines), len(lines))
+    first, end = section_bounds(lines, title) or (len(lines), len(lines))
     parts = ("\n".join(lines[:first]).rstrip("\n"), section.strip("\n"), "\n".join(lines[end:]))
     return "\n\n".join(part for part in parts if part) + "\n"
 
@@ -615,9 +759,32 @@ def write_decode_section(path, metadata, rows, figures, results, render_command)
     path.write_text(replace_section(path.read_text() if path.is_file() else "", "\n".join(lines)))
 
 
+def write_model_section(path, metadata, rows, results, render_command):
+    """The section "Inside a model" of the benchmark page (replaced, or appended): how it was measured, the table."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    lines = [MODEL_TITLE, "",  # a sentence a line
+             f"A whole training step of a GPT compiled by `torch.compile` ({metadata['shapes']}; nanoGPT's model), "
+             "with each system as its attention: forward, loss, backward and the optimizer step, where attention "
+             "is a part of the time.",
+             f"Measured on {metadata['gpu']} on {metadata['date'][:10]} (torch {metadata['torch']}, CUDA "
+             f"{metadata['cuda']}); `bench.py --model` writes this section from "
+             f"[{link(results, path)}]({link(results, path)}): rerun it rather than edit it.",
+             f"ms/step is the median of {MODEL_STEPS[1]} steps after {MODEL_STEPS[0]} of warm-up (compilation); "
+             "vs SDPA is the time of `sdpa` (its default backend choice) over the row's; above 1 is faster; GiB is "
+             "the peak memory allocated.",
+             f"Every system starts from the same weights and trains on the same batch: loss 1 and loss "
+             f"{sum(MODEL_STEPS)} must agree with the first row's within {MODEL_LOSS_TOLERANCE:.0%} (else MISMATCH).",
+             "", "Measured with:", "", "```", metadata["command"], "```", ""]
+    if render_command != metadata["command"]:
+        lines += ["This section was written from the saved results with:", "", "```", render_command, "```", ""]
+    lines += table_lines(rows, MODEL_COLUMNS) + [""]
+    path.write_text(replace_section(path.read_text() if path.is_file() else "", "\n".join(lines), MODEL_TITLE))
+
+
 def write_markdown(path, metadata, rows, figures, results, render_command):
     """The benchmark page: metadata, then a figure and a table per group; a decoding section already on the page
-    stays (the decoding sweep writes it)."""
+    and one
+    "Inside a model" stay (their sweeps write them)."""
     path.parent.mkdir(parents=True, exist_ok=True)
     lines = ["# Benchmarks", "",
              f"Measured on {metadata['gpu']} on {metadata['date'][:10]}. `bench.py` writes this page and its figures",
@@ -651,13 +818,17 @@ def write_markdown(path, metadata, rows, figures, results, render_command):
     for title, group in group_rows(rows).items():
         lines += [f"## {title}", "", f"![{title}]({link(figures[title], path)})", ""]
         lines += table_lines(group, [column for column in COLUMNS if column[0] not in GROUP_FIELDS]) + [""]
-    old = path.read_text().splitlines() if path.is_file() else []
-    bounds = section_bounds(old)
-    path.write_text(replace_section("\n".join(lines), "\n".join(old[slice(*bounds)])) if bounds else "\n".join(lines))
+    page, old = "\n".join(lines), path.read_text().splitlines() if path.is_file() else []
+    for title in SECTIONS:  # the sections of other sweeps stay
+        if bounds := section_bounds(old, title):
+            page = replace_section(page, "\n".join(old[slice(*bounds)]), title)
+    path.write_text(page)
 
 
 def problem_title(row):
     """Which problem a row measured, in words."""
+    if "first_loss" in row:  # a training step's row
+        return "the training step (--model)"
     if "kv_heads" in row:  # a decoding row
         return f"decoding, {row['dtype']}, B={row['batch']}, H_kv={row['kv_heads']}, N_k={row['seqlen_k']}"
     return f"{group_title(row)}, N={row['seqlen']}, {row['layout']}"
@@ -671,20 +842,24 @@ def cli(argv=None):
             raise SystemExit(f"bench.py: no results file {args.plot_from}")
         saved, out, results = json.loads(args.plot_from.read_text()), args.out or args.plot_from.parent, args.plot_from
         metadata, rows = saved["metadata"], saved["rows"]
-        decode = metadata.get("sweep") == "decode"  # the file says which sweep wrote it
-        print(*table_lines(rows, DECODE_COLUMNS if decode else COLUMNS), sep="\n")
+        sweep = metadata.get("sweep")  # the file says which sweep wrote it
+        print(*table_lines(rows, {"decode": DECODE_COLUMNS, "model": MODEL_COLUMNS}.get(sweep, COLUMNS)), sep="\n")
     elif not torch.cuda.is_available():
         print("bench.py: no CUDA GPU found; the benchmark needs one "
               "(--plot-from FILE redraws saved results without a GPU)", file=sys.stderr)
         return 1
     else:
-        decode = args.decode
-        metadata, rows = run_decode(args, command) if decode else run_sweep(args, command)
+        sweep = "decode" if args.decode else "model" if args.model else None
+        metadata, rows = {"decode": run_decode, "model": run_model}.get(sweep, run_sweep)(args, command)
         out = args.out or Path("bench_results")
         out.mkdir(parents=True, exist_ok=True)
-        results = out / ("decode.json" if decode else "results.json")
+        results = out / {"decode": "decode.json", "model": "model.json"}.get(sweep, "results.json")
         results.write_text(json.dumps({"metadata": metadata, "rows": rows}, indent=1) + "\n")
-    if decode:
+    if sweep == "model":
+        figures = []
+        if args.markdown:
+            write_model_section(args.markdown, metadata, rows, results, command)
+    elif sweep == "decode":
         figures = write_decode_figure(out, metadata, rows)
         if args.markdown:
             write_decode_section(args.markdown, metadata, rows, figures, results, command)

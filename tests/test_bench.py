@@ -2,6 +2,7 @@
 import argparse
 import itertools
 import json
+import math
 import re
 import subprocess
 import sys
@@ -425,6 +426,79 @@ def test_the_prefill_page_keeps_its_decoding_section(tmp_path):
     page = markdown.read_text()
     assert page.startswith("# Benchmarks\n") and "# Old page" not in page
     assert page.endswith("\n\n" + SECTION) and page.count(bench.DECODE_TITLE) == 1
+
+
+# ---------------------------------------------------------------- inside a model (--model)
+
+def test_model_flags_and_systems():
+    args = bench.parse_args(["--model"])
+    ours = [kernel["name"] for kernel in bench.list_kernels() if "bfloat16" in kernel["dtypes"]]
+    assert args.model and args.systems == ["sdpa", "sdpa-flash", "sdpa-efficient", "sdpa-cudnn", *ours]
+    assert bench.parse_args(["--model", "--kernels", "hopper,sdpa"]).systems == ["sdpa", "hopper"]  # run order
+    for argv in (["--model", "--kernels", "fp32"], ["--model", "--kernels", "sdpa-math"], ["--model", "--kernels", "fp8"]):
+        with pytest.raises(SystemExit):
+            bench.parse_args(argv)
+
+
+def test_the_model_reads_heads_as_views_and_any_attention_gives_the_same_loss_and_gradients():
+    """The GPT on the CPU, float64, with manual attention (reference.py) and with SDPA: the attention gets (B, H, T, d)
+    views of one projection and returns them in the layout c_proj expects, so both give one loss and one gradient."""
+    config = dict(bench.MODEL, layers=2, width=32, heads=4, seqlen=16, batch=3, vocab=50)
+    tokens = torch.randint(config["vocab"], (config["batch"], config["seqlen"] + 1), generator=torch.Generator().manual_seed(1))
+    seen, results = [], []
+    for system in ("manual", "sdpa"):
+        attend = bench.attention_fn(system, causal=True, scale=None)
+
+        def spy(q, k, v, attend=attend):
+            seen.append((q.shape, q.is_contiguous(), q.stride()))
+            return attend(q, k, v)
+        torch.manual_seed(0)
+        model = bench.GPT(spy, **config).double()
+        loss = model(tokens[:, :-1], tokens[:, 1:])
+        loss.backward()
+        results.append((loss.detach(), [p.grad for p in model.parameters()]))
+    assert seen[0] == ((3, 4, 16, 8), False, (16 * 96, 8, 96, 1))  # a view of the (B, T, 3, H, d) projection
+    assert abs(results[0][0].item() - math.log(config["vocab"])) < 0.1  # N(0, 0.02) weights: near-uniform logits
+    torch.testing.assert_close(results[0][0], results[1][0], rtol=1e-12, atol=0)
+    for a, b in zip(results[0][1], results[1][1]):
+        torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-12)
+    causal_changes = bench.GPT(bench.attention_fn("sdpa", causal=False, scale=None), **config).double()
+    causal_changes.load_state_dict(model.state_dict())
+    assert not torch.allclose(causal_changes(tokens[:, :-1], tokens[:, 1:]), results[1][0])  # the mask matters
+
+
+def make_model_row(system, status="ok", ms=None, first=10.9, last=6.0, note=None):
+    return dict.fromkeys(bench.MODEL_ROW_FIELDS) | dict(system=system, status=status, ms=ms, first_loss=first,
+                                                        last_loss=last, note=note)
+
+
+def test_model_rows_get_vs_sdpa_and_a_loss_check():
+    rows = [make_model_row("sdpa", ms=20.0), make_model_row("sdpa-flash", "unsupported", note="RuntimeError: no"),
+            make_model_row("hopper", ms=16.0, last=6.05), make_model_row("ampere", ms=25.0, last=6.5)]
+    bench.add_model_ratios(rows)
+    assert [row["vs_sdpa"] for row in rows] == [1.0, None, 1.25, 0.8]
+    assert [row["status"] for row in rows] == ["ok", "unsupported", "ok", "MISMATCH"]
+    assert rows[3]["note"] == "losses differ from sdpa's by 8.3e-02 > 2e-02"
+    nan = bench.add_model_ratios([make_model_row("sdpa", ms=20.0), make_model_row("hopper", ms=1.0, last=math.nan)])
+    assert nan[1]["status"] == "MISMATCH"
+
+
+def test_plot_from_a_model_file_replaces_only_its_section(tmp_path, capsys):
+    metadata = {"gpu": "NVIDIA H100 80GB HBM3", "torch": "2.11.0", "cuda": "13.0", "shapes": "layers=6, ...",
+                "date": "2026-01-02T03:04:05+00:00", "command": "python bench.py --model", "sweep": "model"}
+    rows = bench.add_model_ratios([make_model_row("sdpa", ms=20.0), make_model_row("hopper", ms=16.0)])
+    results = save_results(tmp_path / "benchmarks" / "model.json", metadata, rows)
+    markdown = tmp_path / "benchmarks.md"
+    before, after = "# Benchmarks\n\nintro\n\n", "\n\n" + SECTION
+    markdown.write_text(before + bench.MODEL_TITLE + "\n\nold numbers" + after)
+    assert bench.cli(["--plot-from", str(results), "--markdown", str(markdown)]) == 0
+    page = markdown.read_text()
+    assert page.startswith(before + bench.MODEL_TITLE + "\n") and page.endswith(after)
+    assert "old numbers" not in page and "[benchmarks/model.json](benchmarks/model.json)" in page
+    assert re.search(r"\| +hopper \| +ok \| +16\.00 \| +1024000 \| +1\.25x \|", page)
+    figures = bench.write_figures(tmp_path / "figures", *sample_results())  # the prefill page keeps it
+    bench.write_markdown(markdown, *sample_results(), figures, tmp_path / "results.json", "python bench.py")
+    assert page[len(before):].split(SECTION)[0].strip() in markdown.read_text()
 
 
 # ---------------------------------------------------------------- whole program
