@@ -773,9 +773,22 @@ __device__ inline float exp2_ftz(float x) {
 // (e % 2) of every 16 x 8 tile of the warp's 16 rows; r[h] are those rows as queries (r and r + 8, but for
 // the decoding kernel, whose rows are several heads' queries).
 
-// Scores' steps on S_ij (16, B_c), one loop each: c0 is the key of tile 0, column 2t; r[h] this lane's rows
-// as queries and slope[h] their heads' ALiBi slopes. `masked` says whether the mask may hide an entry of the
-// block (else its test is skipped).
+// Step 3 of Scores on S_ij (16, B_c): -inf where the mask hides the entry. c0 is the key of tile 0, column 2t;
+// r[h] this lane's rows as queries; `masked` says whether the mask may hide an entry of the block (else the test
+// is skipped). Each row's key span is computed once (180 bytes less spilled by the ampere forward).
+template <int B_c>
+__device__ void apply_mask(float (&S)[B_c / 8][4], const int (&r)[2], int c0, const Mask& mask, bool masked) {
+  if (!masked) return;
+  const int first[2] = {mask.first_key(r[0]), mask.first_key(r[1])};
+  const int last[2] = {mask.last_key(r[0]), mask.last_key(r[1])};
+  for (int nt = 0; nt < B_c / 8; nt++)
+    for (int e = 0; e < 4; e++) {
+      const int c = c0 + 8 * nt + e % 2;
+      if ((c < first[e / 2]) | (c > last[e / 2])) S[nt][e] = -INFINITY;
+    }
+}
+
+// All of Scores' steps on S_ij (16, B_c), one loop each, with slope[h] the ALiBi slopes of this lane's rows' heads
 template <int B_c>
 __device__ void apply_scores(float (&S)[B_c / 8][4], const int (&r)[2], int c0, const Scores& sc, bool masked,
                              const float (&slope)[2]) {
@@ -790,28 +803,23 @@ __device__ void apply_scores(float (&S)[B_c / 8][4], const int (&r)[2], int c0, 
     for (int nt = 0; nt < B_c / 8; nt++)
       for (int e = 0; e < 4; e++) S[nt][e] -= slope[e / 2] * abs(position[e / 2] - (c0 + 8 * nt + e % 2));
   }
-  if (masked) {  // 3. the mask (each row's key span computed once: 180 bytes less spilled by the ampere forward)
-    const int first[2] = {sc.mask.first_key(r[0]), sc.mask.first_key(r[1])};
-    const int last[2] = {sc.mask.last_key(r[0]), sc.mask.last_key(r[1])};
-    for (int nt = 0; nt < B_c / 8; nt++)
-      for (int e = 0; e < 4; e++) {
-        const int c = c0 + 8 * nt + e % 2;
-        if ((c < first[e / 2]) | (c > last[e / 2])) S[nt][e] = -INFINITY;
-      }
-  }
+  apply_mask<B_c>(S, r, c0, sc.mask, masked);  // 3. the mask
 }
 
-// l.9, first half: m_i^(j) = max(m_i^(j-1), rowmax(S_ij)), and l_i times alpha = e^(m_i^(j-1) - m_i^(j))
+// l.9, first half: m_i^(j) = max(m_i^(j-1), rowmax(f S_ij)), and l_i times alpha = e^(m_i^(j-1) - m_i^(j))
 // (exp2 of the difference of the base-2 m_i). O_i gets the same factor from rescale_O (l.10), a separate
-// step because the Hopper kernel must first wait for the product still accumulating into O_i.
+// step because the Hopper kernel must first wait for the product still accumulating into O_i. f > 0 is a factor
+// of the scores still to apply (1 where they are scaled already): the maximum is taken on S_ij and scaled once,
+// rowmax(f S_ij) = f rowmax(S_ij), so that P_ij = exp2(f S_ij - m_i) costs an entry one FFMA and one ex2.
 template <int B_c>
-__device__ void update_row_max(const float (&S)[B_c / 8][4], float (&m_i)[2], float (&l_i)[2], float (&alpha)[2]) {
-  float rowmax[2] = {m_i[0], m_i[1]};
+__device__ void update_row_max(const float (&S)[B_c / 8][4], float (&m_i)[2], float (&l_i)[2], float (&alpha)[2],
+                               float f = 1.f) {
+  float rowmax[2] = {-INFINITY, -INFINITY};
   for (int nt = 0; nt < B_c / 8; nt++)
     for (int e = 0; e < 4; e++) rowmax[e / 2] = fmaxf(rowmax[e / 2], S[nt][e]);
   for (int h = 0; h < 2; h++) {  // the 4 lanes of a quad (same g) hold one row: reduce across them
     rowmax[h] = fmaxf(rowmax[h], __shfl_xor_sync(~0u, rowmax[h], 1));
-    rowmax[h] = fmaxf(rowmax[h], __shfl_xor_sync(~0u, rowmax[h], 2));
+    rowmax[h] = fmaxf(m_i[h], fmaxf(rowmax[h], __shfl_xor_sync(~0u, rowmax[h], 2)) * f);
     alpha[h] = exp2_ftz(m_i[h] - rowmax[h]);  // (both finite: see M_START)
     m_i[h] = rowmax[h];
     l_i[h] *= alpha[h];
@@ -1370,8 +1378,8 @@ flash_bwd_ampere(Rows<const T> Q, Rows<const T> K, Rows<const T> V, Rows<const T
   const int j = blockIdx.x / (d / DC), col0 = j * B_c, N_q = mask.N_q, N_k = mask.N_k;
   if (col0 >= N_k) return;  // (a packed batch: past this sequence's keys)
   const int n0 = blockIdx.x % (d / DC) * DC;  // this block's columns of dK_j, dV_j and dQ_i: n0 .. n0+DC-1
-  Q = Q.head(), K = K.head(group), V = V.head(group), dO = dO.head(), dK = dK.head(), dV = dV.head();
-  L += mask.row_index(), D += mask.row_index(), dQ += mask.row_index() * d;
+  Q = Q.head(), K = K.head(group), V = V.head(group), dO = dO.head();
+  L += mask.row_index(), D += mask.row_index();  // (dQ, dK, dV: where they are written, pointers not held)
   const float scale_log2 = scale * LOG2E, slope = sc.slope(blockIdx.z, blockIdx.y);
   const int2 blocks = mask.query_blocks(col0, B_c, B_r);  // query blocks i_start .. i_end-1 (the others: hidden)
   const int i_start = blocks.x, i_end = blocks.y;
@@ -1393,8 +1401,8 @@ flash_bwd_ampere(Rows<const T> Q, Rows<const T> K, Rows<const T> V, Rows<const T
   cp_async_commit();
   float dK_j[DC / 8][4] = {}, dV_j[DC / 8][4] = {};                        // l.7: dK_j = dV_j = 0
 
-  for (int i = i_start; i < i_end; i++) {                                   // l.8
-    const int row0 = i * B_r, stage = (i - i_start) % 2;
+  for (int i = i_start, stage = 0; i < i_end; i++, stage ^= 1) {           // l.8
+    const int row0 = i * B_r;
     const T* Q_i = Q_s + stage * B_r * ld;
     const T* dO_i = dO_s + stage * B_r * ld;
     const float *L_i = L_s + stage * B_r, *D_i = D_s + stage * B_r;
@@ -1488,14 +1496,14 @@ flash_bwd_ampere(Rows<const T> Q, Rows<const T> K, Rows<const T> V, Rows<const T
         if (r < N_q)
 #pragma unroll
           for (int nt = 0; nt < DC / CW / 8; nt++)
-            atomic_add_pair(&dQ[(size_t)r * d + c0 + 8 * nt + 2 * t], scale * dQ_i[nt][2 * h],
+            atomic_add_pair(&dQ[(mask.row_index() + r) * d + c0 + 8 * nt + 2 * t], scale * dQ_i[nt][2 * h],
                             scale * dQ_i[nt][2 * h + 1]);
       }
     }
     __syncthreads();  // every warp is done with Q_s, dO_s stage and dS_s before the next block refills them
   }
-  store_rows<T, DC>(dK.cols(n0), dK_j, col0 + 16 * warp + g, t, N_k, scale);  // l.18: write dK_j, dV_j
-  store_rows<T, DC>(dV.cols(n0), dV_j, col0 + 16 * warp + g, t, N_k, 1.f);
+  store_rows<T, DC>(dK.head().cols(n0), dK_j, col0 + 16 * warp + g, t, N_k, scale);  // l.18: write dK_j, dV_j
+  store_rows<T, DC>(dV.head().cols(n0), dV_j, col0 + 16 * warp + g, t, N_k, 1.f);
 }
 
 // ------------------------------------------------------------------------------------------------------
@@ -2141,14 +2149,18 @@ flash_fwd_hopper(const __grid_constant__ CUtensorMap Q_map, const __grid_constan
                          smem_desc(K_s(s) + kk / 4 * B_c * 128 + kk % 4 * 32, 0), kk > 0);
       wgmma_commit();
     };
-    // l.9 for block j, on the CUDA cores: m_i, l_i and alpha updated, S_ij replaced by P_ij in place (fp32)
+    // l.9 for block j, on the CUDA cores: m_i, l_i and alpha updated, S_ij replaced by P_ij in place (fp32). Plain
+    // scores with a positive scale are scaled inside the exponent (f: see update_row_max), 64 FMUL fewer per thread
+    // and block; a softcap, ALiBi or a negative scale takes Scores' steps first (f = 1).
+    const float f = sc.plain() && sc.scale_log2 > 0.f ? sc.scale_log2 : 1.f;
     auto softmax = [&](int n) {
       const int j = j0 + n;
       const bool masked = mask.any(row0, B_r, j * B_c, B_c);  // any masked entry in the block?
-      apply_scores<B_c>(S, {r, r + 8}, j * B_c + 2 * t, sc, masked, {slope, slope});
-      update_row_max<B_c>(S, m_i, l_i, alpha);
+      if (f == 1.f) apply_scores<B_c>(S, {r, r + 8}, j * B_c + 2 * t, sc, masked, {slope, slope});
+      else apply_mask<B_c>(S, {r, r + 8}, j * B_c + 2 * t, mask, masked);
+      update_row_max<B_c>(S, m_i, l_i, alpha, f);
       for (int nt = 0; nt < B_c / 8; nt++)
-        for (int e = 0; e < 4; e++) S[nt][e] = exp2_ftz(S[nt][e] - m_i[e / 2]), l_i[e / 2] += S[nt][e];
+        for (int e = 0; e < 4; e++) S[nt][e] = exp2_ftz(fmaf(S[nt][e], f, -m_i[e / 2])), l_i[e / 2] += S[nt][e];
       // dropout: the dropped entries of P_ij zeroed (l_i has summed them all; the kept ones' factor 1 / (1 - p) is
       // left to write_O_L), one Philox call per 16 keys, here where P_ij V_j of the block before still runs. Word w
       // of a call's masks holds entries 2w and 2w + 1 of tiles 2kk, 2kk + 1: each half's top bit, moved to bit 31
@@ -2278,7 +2290,8 @@ flash_bwd_hopper(const __grid_constant__ CUtensorMap Q_map, const __grid_constan
   const Mask mask = sc.mask = sc.mask.sequence();
   const int wg = threadIdx.x / 128, j = blockIdx.x, col0 = j * B_c, N_q = mask.N_q, N_k = mask.N_k;
   if (col0 >= N_k) return;  // (a packed batch: past this sequence's keys)
-  L += mask.row_index(), D += mask.row_index(), dQ += mask.row_index() * d;
+  // (L, D and dQ move to this head's rows where they are used, by warp 1 and at d = 256 by the consumers: a
+  // pointer held from here on was spilled at d = 256)
   const int2 blocks = mask.query_blocks(col0, B_c, B_r);  // query blocks i_start .. i_end-1 (the others: hidden)
   const int i_start = blocks.x, i_end = blocks.y;
   auto stage = [&](int i) { return (i - i_start) % STAGES; };  // query block i's stage, and how many times
@@ -2314,8 +2327,8 @@ flash_bwd_hopper(const __grid_constant__ CUtensorMap Q_map, const __grid_constan
       for (int i = i_start; i < i_end; i++) {  // not 16-byte aligned); each lane arrives on full(s) when done
         const int s = stage(i);
         if (round(i) > 0) mbar_wait(empty(s), (round(i) - 1) % 2);
-        copy_L_D<B_r>(reinterpret_cast<float*>(__cvta_shared_to_generic(LD_s(s))), L, D, i * B_r, N_q,
-                      1.f / sc.dropout.scale);
+        copy_L_D<B_r>(reinterpret_cast<float*>(__cvta_shared_to_generic(LD_s(s))), L + mask.row_index(),
+                      D + mask.row_index(), i * B_r, N_q, 1.f / sc.dropout.scale);
         mbar_arrive(full(s));
       }
     } else if (threadIdx.x / 32 == 2 && dQ_staged(d)) {  // warp 2: dQ_i += the consumers' tile, by TMA (l.15)
@@ -2393,11 +2406,12 @@ flash_bwd_hopper(const __grid_constant__ CUtensorMap Q_map, const __grid_constan
           asm volatile("fence.proxy.async.shared::cta;" ::: "memory");  // the stores are visible to TMA
           asm volatile("bar.arrive 2, 288;" ::: "memory");
         } else {
+          float* dQ_h = dQ + mask.row_index() * d;
           for (int h = 0; h < 2; h++) {
             const int r = i * B_r + 16 * warp + g + 8 * h;  // dQ_i's rows are queries: this lane's are r, r + 8
             if (r < N_q)
               for (int nt = 0; nt < DQ / 8; nt++)
-                atomic_add_pair(&dQ[(size_t)r * d + c0 + 8 * nt + 2 * t], dS_scale * dQ_i[nt][2 * h],
+                atomic_add_pair(&dQ_h[(size_t)r * d + c0 + 8 * nt + 2 * t], dS_scale * dQ_i[nt][2 * h],
                                 dS_scale * dQ_i[nt][2 * h + 1]);
           }
         }
@@ -2791,8 +2805,9 @@ flash_fwd_hopper_fp8(const __grid_constant__ CUtensorMap Q_map, const __grid_con
         wgmma_fp8_ss<B_c>(S, smem_desc(Q_wg + 32 * kk, 0), smem_desc(K_s(n % STAGES) + 32 * kk, 0), kk > 0);
       wgmma_commit();
     };
-    // l.9, then P_ij in place of S_ij, times 2^8. The scores are f S_ij, f = scale log2(e) s_Q,i s_K,j (no softcap or
-    // ALiBi here): the row maximum is taken on S_ij and scaled once, and each entry costs one FFMA and one ex2.
+    // l.9, then P_ij in place of S_ij, times 2^8. The scores are f S_ij, f = scale log2(e) s_Q,i s_K,j > 0 (no softcap
+    // or ALiBi here; main.py refuses a negative scale): the row maximum is taken on S_ij and scaled once, and each
+    // entry costs one FFMA and one ex2.
     Scores unscaled = sc;
     unscaled.scale_log2 = 1.f;
     auto softmax = [&](int n) {

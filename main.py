@@ -773,8 +773,8 @@ def flash_attention_8bit(q, k=None, v=None, causal=False, softmax_scale=None, wi
     """Attention with 8-bit products, forward only (inference): O (B, H_q, N_q, d) in q's dtype. q, k, v as
     flash_attention's (float16 or bfloat16, d <= 128, requires_grad off), quantized here by quantize(q, k, v, dtype,
     rotate, smooth_k, transpose_v); or q a Quantized from quantize() (k, v None), to quantize once and reuse.
-    causal, softmax_scale, window: as flash_attention's (the default scale from the unpadded d). dtype:
-    torch.float8_e4m3fn (Hopper) or torch.int8 (sm_80+). Errors: docs/accuracy.md."""
+    causal, softmax_scale, window: as flash_attention's (the default scale from the unpadded d; softmax_scale >= 0).
+    dtype:    torch.float8_e4m3fn (Hopper) or torch.int8 (sm_80+). Errors: docs/accuracy.md."""
     if isinstance(q, Quantized):
         if k is not None or v is not None:
             raise ValueError("pass either q, k, v or one Quantized (from quantize()), not both")
@@ -788,6 +788,8 @@ def flash_attention_8bit(q, k=None, v=None, causal=False, softmax_scale=None, wi
     _check_scores(x.q, window, None, 0.0, x.q.shape[0])
     _check_causal_and_scale(causal, softmax_scale)
     scale = 1.0 / math.sqrt(x.d) if softmax_scale is None else float(softmax_scale)
+    if scale < 0:  # (the fp8 kernel takes each row's maximum before scaling: a negative scale would reverse it)
+        raise ValueError(f"flash_attention_8bit takes softmax_scale >= 0, got {softmax_scale!r}")
     (left, right), _, _ = _options(causal, window, None, 0.0)
     if x.q.shape[2] == 0 or x.k.shape[2] == 0:
         return x.q.new_zeros(x.q.shape[:-1] + (x.d,), dtype=x.out_dtype)

@@ -84,6 +84,8 @@ def test_validation_before_any_launch():
     x = main.Quantized(h, h, h, h, h, None, False, 64, torch.float16)
     with pytest.raises(ValueError, match="either q, k, v or one Quantized"):
         main.flash_attention_8bit(x, h, h)
+    with pytest.raises(ValueError, match="softmax_scale >= 0, got -0.125"):  # (fp8 scales each row's maximum)
+        main.flash_attention_8bit(x, softmax_scale=-0.125)
 
 
 # ---------------------------------------------------------------------------------------------------------
