@@ -3083,7 +3083,8 @@ void bwd_ampere(const at::Tensor& Q, const at::Tensor& K, const at::Tensor& V, c
                 const Scores& sc, float scale, cudaStream_t stream) {
   // Eight warps, B_c = 128 keys: against four warps and B_c = 64, each Q_i, dO_i tile in shared memory serves
   // twice as many warps and dQ gets half as many atomic adds per FLOP. B_r = 128 (d <= 64) or 64 as
-  // FlashAttention-2 on sm_80 (255 registers at d = 128; nvcc 13.0 spills 24-44 bytes). Past d = 128 each
+  // FlashAttention-2 on sm_80 (255 registers at d = 128; nvcc 13.0: no spills for sm_80, sm_86 and sm_89, 20 and
+  // 40 bytes for sm_90a at d = 64 and 128, where the hopper kernel runs instead). Past d = 128 each
   // block writes DC = d/2 columns (see the kernel) and has four warps: its tiles then take 162 KB at d = 192,
   // 211 KB at d = 256.
   // Where a block gets less shared memory (sm_86 and sm_89: 99 KB; an A100 at d = 256: 163 KB), the warps and
