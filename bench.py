@@ -199,9 +199,9 @@ def parse_args(argv):
     add("--out", type=Path, help="folder for results.json (decode.json, model.json) and the figures (default: "
         "bench_results)")
     add("--markdown", type=Path, metavar="FILE", help="also write a markdown page (docs/benchmarks.md); with "
-        "--decode, only its decoding section")
-    add("--plot-from", type=Path, metavar="FILE", help="redraw a saved results.json, decode.json or model.json instead of "
-        "running (no GPU)")
+        "--decode or --model, only its own section")
+    add("--plot-from", type=Path, metavar="FILE", help="redraw a saved results.json, decode.json or model.json "
+        "instead of running (no GPU)")
     add("--decode", action="store_true", help=f"the decoding sweep instead: N_q = 1, H_q = {DECODE_HEADS}, "
         f"d = {DECODE_HEAD_DIM}, forward; systems: {','.join(decode_systems)} (ours where they run the dtype); "
         "the flags above from --causal to --heads do not apply")
@@ -504,6 +504,7 @@ def run_decode(args, command):
             print(table_lines([row], DECODE_COLUMNS)[-1], flush=True)
     return metadata, rows
 
+
 class Block(torch.nn.Module):
     """nanoGPT's transformer block: causal self-attention by attend(q, k, v), then an MLP, each after a LayerNorm
     and added to the residual stream."""
@@ -583,8 +584,8 @@ def bench_model_system(system, tokens):
     finally:
         torch._dynamo.reset()  # the next system compiles its own graphs
     ms = sorted(start.elapsed_time(end) for start, end in events)[MODEL_STEPS[1] // 2]
-    return row | {"status": "ok", "ms": ms, "memory_gib": torch.cuda.max_memory_allocated() / 2**30, "first_loss": losses[0].item(),
-                  "last_loss": losses[-1].item()}
+    return row | {"status": "ok", "ms": ms, "memory_gib": torch.cuda.max_memory_allocated() / 2**30,
+                  "first_loss": losses[0].item(), "last_loss": losses[-1].item()}
 
 
 def add_model_ratios(rows):
@@ -731,6 +732,14 @@ def replace_section(page, section, title=DECODE_TITLE):
     return "\n\n".join(part for part in parts if part) + "\n"
 
 
+def how_measured(metadata, render_command, what="section"):
+    """The lines that say how a page or section was measured, and how it was written if from saved results."""
+    lines = ["Measured with:", "", "```", metadata["command"], "```", ""]
+    if render_command != metadata["command"]:
+        lines += [f"This {what} was written from the saved results with:", "", "```", render_command, "```", ""]
+    return lines
+
+
 def write_decode_section(path, metadata, rows, figures, results, render_command):
     """The decoding section of the benchmark page (replaced, or appended): how it was measured, then the
     figure and a table per dtype."""
@@ -747,10 +756,7 @@ def write_decode_section(path, metadata, rows, figures, results, render_command)
              + (f"({peak} TB/s)." if peak else "(not in bench.py's table for this GPU)."),
              "vs SDPA is the time of `sdpa` (its default backend choice) over the row's; above 1 is faster.",
              "OOM: the cache and the float32 reference do not fit, or the system ran out of memory.",
-             "Max err is against float32 attention on the same inputs.", "",
-             "Measured with:", "", "```", metadata["command"], "```", ""]
-    if render_command != metadata["command"]:
-        lines += ["This section was written from the saved results with:", "", "```", render_command, "```", ""]
+             "Max err is against float32 attention on the same inputs.", ""] + how_measured(metadata, render_command)
     lines += [f"![decoding]({link(figure, path)})" for figure in figures] + [""]
     for dtype in dict.fromkeys(row["dtype"] for row in rows):
         lines += [f"### {dtype}", ""] + table_lines([row for row in rows if row["dtype"] == dtype],
@@ -774,17 +780,13 @@ def write_model_section(path, metadata, rows, results, render_command):
              "the peak memory allocated.",
              f"Every system starts from the same weights and trains on the same batch: loss 1 and loss "
              f"{sum(MODEL_STEPS)} must agree with the first row's within {MODEL_LOSS_TOLERANCE:.0%} (else MISMATCH).",
-             "", "Measured with:", "", "```", metadata["command"], "```", ""]
-    if render_command != metadata["command"]:
-        lines += ["This section was written from the saved results with:", "", "```", render_command, "```", ""]
-    lines += table_lines(rows, MODEL_COLUMNS) + [""]
+             ""] + how_measured(metadata, render_command) + table_lines(rows, MODEL_COLUMNS) + [""]
     path.write_text(replace_section(path.read_text() if path.is_file() else "", "\n".join(lines), MODEL_TITLE))
 
 
 def write_markdown(path, metadata, rows, figures, results, render_command):
-    """The benchmark page: metadata, then a figure and a table per group; a decoding section already on the page
-    and one
-    "Inside a model" stay (their sweeps write them)."""
+    """The benchmark page: metadata, then a figure and a table per group; the sections of the decoding sweep and of
+    the training step already on the page stay (their sweeps write them)."""
     path.parent.mkdir(parents=True, exist_ok=True)
     lines = ["# Benchmarks", "",
              f"Measured on {metadata['gpu']} on {metadata['date'][:10]}. `bench.py` writes this page and its figures",
@@ -812,9 +814,7 @@ def write_markdown(path, metadata, rows, figures, results, render_command):
                   ""]
     lines += ["| | |", "|---|---|"]
     lines += [f"| {key} | {value} |" for key, value in metadata.items() if key != "command"]
-    lines += ["", "Measured with:", "", "```", metadata["command"], "```", ""]
-    if render_command != metadata["command"]:
-        lines += ["This page was written from the saved results with:", "", "```", render_command, "```", ""]
+    lines += [""] + how_measured(metadata, render_command, "page")
     for title, group in group_rows(rows).items():
         lines += [f"## {title}", "", f"![{title}]({link(figures[title], path)})", ""]
         lines += table_lines(group, [column for column in COLUMNS if column[0] not in GROUP_FIELDS]) + [""]

@@ -774,7 +774,7 @@ def flash_attention_8bit(q, k=None, v=None, causal=False, softmax_scale=None, wi
     flash_attention's (float16 or bfloat16, d <= 128, requires_grad off), quantized here by quantize(q, k, v, dtype,
     rotate, smooth_k, transpose_v); or q a Quantized from quantize() (k, v None), to quantize once and reuse.
     causal, softmax_scale, window: as flash_attention's (the default scale from the unpadded d; softmax_scale >= 0).
-    dtype:    torch.float8_e4m3fn (Hopper) or torch.int8 (sm_80+). Errors: docs/accuracy.md."""
+    dtype: torch.float8_e4m3fn (Hopper) or torch.int8 (sm_80+). Errors: docs/accuracy.md."""
     if isinstance(q, Quantized):
         if k is not None or v is not None:
             raise ValueError("pass either q, k, v or one Quantized (from quantize()), not both")
