@@ -224,7 +224,7 @@ struct Mask {
 // Dropout of P_ij (the first FlashAttention paper's Algorithm 2, line 14, and Algorithm 4, lines 14-18): each
 // entry is kept with probability 1 - p and then scaled by 1 / (1 - p), so that O is unbiased; the backward needs the
 // same keep mask, and regenerates it rather than storing N_q x N_k bits. The mask is a function of the entry
-// alone: a counter-based generator (Philox4x32-10: Salmon et al., "Parallel random numbers: as easy as
+// alone: a counter-based generator (Philox4x32-7: Salmon et al., "Parallel random numbers: as easy as
 // 1, 2, 3", SC 2011) maps a 128-bit counter and a 64-bit key to 128 random bits, and every kernel, whatever
 // its tiles, asks for the bits of the entries it holds. The key is drawn per call from torch's generator
 // (main.py), so torch.manual_seed reproduces a run. An extension has dropout only if built with -DDROPOUT=1
@@ -238,10 +238,11 @@ struct Mask {
 #ifndef DETERMINISTIC
 #define DETERMINISTIC 0
 #endif
-// Philox4x32-10: ten rounds of two 32 x 32 -> 64-bit multiplies whose halves are mixed with the key (bumped
-// by Weyl constants between rounds) and with the other counter words
+// Philox4x32-7: seven rounds of two 32 x 32 -> 64-bit multiplies whose halves are mixed with the key (bumped
+// by Weyl constants between rounds) and with the other counter words. Salmon et al. found 7 rounds enough to pass
+// TestU01's BigCrush (their default of 10 adds a margin); FlashAttention-2 draws its dropout with 7 as well.
 __device__ uint4 philox(uint4 x, uint2 key) {
-  for (int round = 0; round < 10; round++) {
+  for (int round = 0; round < 7; round++) {
     if (round > 0) key.x += 0x9E3779B9u, key.y += 0xBB67AE85u;
     const uint32_t hi0 = __umulhi(0xD2511F53u, x.x), lo0 = 0xD2511F53u * x.x;
     const uint32_t hi1 = __umulhi(0xCD9E8D57u, x.z), lo1 = 0xCD9E8D57u * x.z;
@@ -249,41 +250,46 @@ __device__ uint4 philox(uint4 x, uint2 key) {
   }
   return x;
 }
-// One Philox call gives 8 entries 16 random bits each: rows {r, r + 8} x columns {c, c + 1, c + 8, c + 9} of a
-// 16 x 16 tile (r % 16 < 8, c % 16 < 8 and even), which one lane holds in the m16n8 layout (two 16 x 8 tiles:
-// see section 3) and half of which it holds in the transposed layout of the backward kernels. Counter: (the
-// column group, the row group, query head, sequence); the entry (r, c) keeps the bits at slot(r, c).
+// One Philox call gives 16 entries 8 random bits each (FlashAttention-2 also compares bytes): rows {r, r + 8} x
+// columns {c, c + 1} of the four 16 x 8 tiles of a 16 x 32 tile (r % 16 < 8, c % 32 < 8 and even), what one lane
+// holds of them in the m16n8 layout (see section 3); the transposed layout of the backward kernels holds half of
+// two calls' entries. Byte e of word w is entry e of tile w, in the accumulators' order (r, c), (r, c + 1),
+// (r + 8, c), (r + 8, c + 1). Counter: (the column group, the row group, query head, sequence); the entry (r, c)
+// keeps byte slot(r, c) of its call.
 struct Dropout {
   const int64_t* key;  // the Philox key, on the GPU (drawn there: CUDA graphs and torch.compile replay it)
-  uint32_t threshold;  // an entry whose 16 bits are below it is dropped: p = threshold / 65536
+  uint32_t threshold;  // an entry whose byte is below it is dropped: p = threshold / 256
   float scale;         // 1 / (1 - p): Z_ij, the kept entries' factor
-  __device__ static int slot(int r, int c) { return 4 * (c / 8 % 2) + 2 * (r / 8 % 2) + c % 2; }
-  // The 4 words of the call of entry (r, c), each with 0xFFFF in the half of a kept slot (slot 2w in the low half
-  // of word w, 2w + 1 in the high one): in the m16n8 layout, word w is the mask of one packed register of P_ij
-  // (see exp_and_pack). A half h >= threshold exactly when the word, with h moved to the top, is >= threshold << 16.
-  __device__ uint4 keep_masks(int r, int c) const {
+  __device__ static int slot(int r, int c) { return 4 * (c / 8 % 4) + 2 * (r / 8 % 2) + c % 2; }
+  // The call of entry (r, c), compared with the threshold four bytes at a time (__vcmpgeu4): word w holds 0xFF in
+  // the byte of each kept entry of tile w
+  __device__ uint4 kept(int r, int c) const {
     const uint64_t k = __ldg(reinterpret_cast<const unsigned long long*>(key));
-    const uint4 x = philox(make_uint4(4 * (c / 16) + c % 8 / 2, 8 * (r / 16) + r % 8, blockIdx.y, blockIdx.z),
+    const uint4 x = philox(make_uint4(4 * (c / 32) + c % 8 / 2, 8 * (r / 16) + r % 8, blockIdx.y, blockIdx.z),
                            make_uint2(uint32_t(k), uint32_t(k >> 32)));
-    const uint32_t T = threshold << 16;
-    auto mask = [&](uint32_t w) { return (w << 16 >= T ? 0xFFFFu : 0u) | (w >= T ? 0xFFFF0000u : 0u); };
-    return make_uint4(mask(x.x), mask(x.y), mask(x.z), mask(x.w));
+    const uint32_t T = threshold * 0x01010101u;
+    return make_uint4(__vcmpgeu4(x.x, T), __vcmpgeu4(x.y, T), __vcmpgeu4(x.z, T), __vcmpgeu4(x.w, T));
   }
-  // the same as 8 bits: bit slot(r', c') set if entry (r', c') of the 8 that share (r, c)'s call is kept
+  // A tile's word of kept() as the masks of its two packed 16-bit registers (row r, then row r + 8; see
+  // exp_and_pack): 0xFFFF in the half of a kept entry
+  __device__ static uint32_t packed(uint32_t word, int row_half) {
+    return __byte_perm(word, 0, row_half ? 0x3322 : 0x1100);
+  }
+  // kept() as 16 bits: bit slot(r', c') set if entry (r', c') of the 16 that share (r, c)'s call is kept. The
+  // multiply moves the lowest bit of byte e of a word to bit 28 + e, where none of its other products lands.
   __device__ uint32_t keep_bits(int r, int c) const {
-    const uint4 m = keep_masks(r, c);
-    const uint32_t words[4] = {m.x, m.y, m.z, m.w};
-    uint32_t bits = 0;
-    for (int w = 0; w < 4; w++) bits |= (words[w] & 1u) << 2 * w | (words[w] >> 31) << (2 * w + 1);
-    return bits;
+    const uint4 m = kept(r, c);
+    auto bits = [](uint32_t word) { return (word & 0x01010101u) * 0x10204080u >> 28; };
+    return bits(m.x) | bits(m.y) << 4 | bits(m.z) << 8 | bits(m.w) << 12;
   }
   // The backward kernels' transposed tiles: a lane holds keys c and c + 8 (c % 16 < 8) of queries q0 + x and
-  // q0 + x + 8 (x = 0, 1; q0 % 16 < 8, even), half of two calls' entries; lanes g and g ^ 1 (keys c and c ^ 1) hold
-  // the other half. Each makes one of the two calls and they swap the bits (lane ^ 4), which each then shifts by
-  // its key parity: bit 4 (key half) + 2 (query half) of keep[x]. Whole warps only.
+  // q0 + x + 8 (x = 0, 1; q0 % 16 < 8, even), 4 entries of each of the calls of rows q0 and q0 + 1. Lanes g and
+  // g ^ 1 (keys c and c ^ 1) need the same two calls: each makes one, keeps its 8 bits of those keys (tiles
+  // c / 8 % 4 and the next), and they swap them (lane ^ 4), which each then shifts by its key parity: bit
+  // 4 (key half) + 2 (query half) of keep[x]. Whole warps only.
   __device__ void keep_bits_transposed(uint32_t (&keep)[2], int q0, int c) const {
     const int odd = c % 2;
-    const uint32_t mine = keep_bits(q0 + odd, c), other = __shfl_xor_sync(~0u, mine, 4);
+    const uint32_t mine = keep_bits(q0 + odd, c) >> 4 * (c / 8 % 4), other = __shfl_xor_sync(~0u, mine, 4);
     keep[0] = (odd ? other : mine) >> odd, keep[1] = (odd ? mine : other) >> odd;
   }
   __device__ float Z(uint32_t bits, int slot) const { return bits >> slot & 1 ? scale : 0.f; }  // Z_ij
@@ -835,16 +841,16 @@ __device__ void rescale_O(float (&O_i)[d / 8][4], const float (&alpha)[2]) {
 
 // P_ij = exp(S_ij - m_i) for one 16 x 8 accumulator tile s, packed as the two A-fragment registers that
 // hold its rows g and g+8 in P_ij V_j; this lane's share of rowsum(P_ij) is added to l_i (l.9). With dropout,
-// the registers are ANDed with the masks of Dropout::keep_masks (0 where dropped), and every kept entry's factor
-// 1 / (1 - p) is left to O_i's normalisation (write_O_L): no multiply per entry.
+// the registers are ANDed with the masks of the tile's word of Dropout::kept (0 where dropped), and every kept
+// entry's factor 1 / (1 - p) is left to O_i's normalisation (write_O_L): no multiply per entry.
 template <typename T>
 __device__ void exp_and_pack(uint32_t& row_g, uint32_t& row_g8, const float (&s)[4], const float (&m_i)[2],
-                             float (&l_i)[2], uint32_t keep_g = ~0u, uint32_t keep_g8 = ~0u) {
+                             float (&l_i)[2], uint32_t kept = ~0u) {
   float p[4];
   for (int e = 0; e < 4; e++) p[e] = exp2_ftz(s[e] - m_i[e / 2]);
   l_i[0] += p[0] + p[1], l_i[1] += p[2] + p[3];
   row_g = pack<T>(p[0], p[1]), row_g8 = pack<T>(p[2], p[3]);
-  if (DROPOUT) row_g &= keep_g, row_g8 &= keep_g8;
+  if (DROPOUT) row_g &= Dropout::packed(kept, 0), row_g8 &= Dropout::packed(kept, 1);
 }
 
 // l.12-15: O_i / l_i into O as T, and L_i = m_i + log(l_i) in natural-log units. (dropout: O_i summed the kept
@@ -1088,11 +1094,12 @@ flash_fwd_turing(Rows<const __half> Q, Rows<const __half> K, Rows<const __half> 
     float alpha[2];  // l.9, and the rescaling of O_i in l.10
     update_row_max<B_c>(S, m_i, l_i, alpha);
     rescale_O<d>(O_i, alpha);
+    uint4 kept;  // dropout: Dropout::kept of keys 32(kk / 2) .. + 31, one call for two slices (B_c >= 32)
     for (int kk = 0; kk < B_c / 16; kk++) {                                 // l.10: O_i += P_ij V_j
       uint32_t P_frag[4];  // the S accumulators of tiles 2kk, 2kk+1 are the A fragment of slice kk
-      const uint4 keep = DROPOUT ? sc.dropout.keep_masks(r, j * B_c + 16 * kk + 2 * t) : uint4{};  // (one call)
-      exp_and_pack<__half>(P_frag[0], P_frag[1], S[2 * kk], m_i, l_i, keep.x, keep.y);      // keys 16kk .. 16kk+7
-      exp_and_pack<__half>(P_frag[2], P_frag[3], S[2 * kk + 1], m_i, l_i, keep.z, keep.w);  // keys 16kk+8 .. +15
+      if (DROPOUT && kk % 2 == 0) kept = sc.dropout.kept(r, j * B_c + 16 * kk + 2 * t);
+      exp_and_pack<__half>(P_frag[0], P_frag[1], S[2 * kk], m_i, l_i, kk % 2 ? kept.z : kept.x);  // keys 16kk..+7
+      exp_and_pack<__half>(P_frag[2], P_frag[3], S[2 * kk + 1], m_i, l_i, kk % 2 ? kept.w : kept.y);  // +8 .. +15
       for (int nt = 0; nt < d / 8; nt += 2) {
         // B fragments of V_j (keys 16kk .. 16kk+15, columns 8nt .. 8nt+15), transposed on the way:
         // lane l points at key 16kk + l%8 + 8*((l/8)%2), column 8nt + 8*(l/16)
@@ -1317,13 +1324,16 @@ flash_fwd_ampere(Rows<const TQK> Q, Rows<const TQK> K, Rows<const T> V, Rows<T> 
       update_row_max<B_c>(S[m], m_i[m], l_i[m], alpha);
       rescale_O<d>(O_i[m], alpha);
     }
+    uint4 kept[M];  // dropout: Dropout::kept of the 32 keys of slices kk and kk ^ 1 (B_c = 16: of block j)
 #pragma unroll
     for (int kk = 0; kk < B_c / 16; kk++) {                                 // l.10: O_i += P_ij V_j
       uint32_t P_frag[M][4];  // the S accumulators of tiles 2kk, 2kk+1 are the A fragment of slice kk
+      const bool upper = (j * B_c + 16 * kk) % 32;  // keys 16 .. 31 of its call (odd kk, or odd j if B_c = 16)
       for (int m = 0; m < M; m++) {
-        const uint4 keep = DROPOUT ? sc.dropout.keep_masks(r + 16 * m, j * B_c + 16 * kk + 2 * t) : uint4{};
-        exp_and_pack<T>(P_frag[m][0], P_frag[m][1], S[m][2 * kk], m_i[m], l_i[m], keep.x, keep.y);  // keys 16kk..
-        exp_and_pack<T>(P_frag[m][2], P_frag[m][3], S[m][2 * kk + 1], m_i[m], l_i[m], keep.z, keep.w);  // +8..
+        if (DROPOUT && kk % 2 == 0) kept[m] = sc.dropout.kept(r + 16 * m, j * B_c + 16 * kk + 2 * t);
+        const uint32_t kept_0 = upper ? kept[m].z : kept[m].x, kept_1 = upper ? kept[m].w : kept[m].y;
+        exp_and_pack<T>(P_frag[m][0], P_frag[m][1], S[m][2 * kk], m_i[m], l_i[m], kept_0);  // keys 16kk..
+        exp_and_pack<T>(P_frag[m][2], P_frag[m][3], S[m][2 * kk + 1], m_i[m], l_i[m], kept_1);  // +8..
       }
       for (int nt = 0; nt < d / 8; nt += 2) {
         uint32_t b[4];  // B fragments of V_j, transposed on the way (addresses as in the Turing kernel)
@@ -1572,13 +1582,13 @@ flash_bwd_dq_ampere(Rows<const T> Q, Rows<const T> K, Rows<const T> V, Rows<cons
       }
     }
     const bool edge = mask.any(row0, B_r, col0, B_c);  // any entry to zero?
-    uint32_t keep = 0;  // dropout: the keep bits of tiles nt, nt + 1 (nt even)
+    uint32_t keep = 0;  // dropout: the keep bits of tiles nt .. nt + 3 (nt % 4 = 0)
 #pragma unroll
     for (int nt = 0; nt < B_c / 8; nt++)
 #pragma unroll
       for (int e = 0; e < 4; e++) {  // entry (query r_e, key c) of P and dS
         const int r_e = r + 8 * (e / 2), c = col0 + 8 * nt + 2 * t + e % 2;
-        if (DROPOUT && nt % 2 == 0 && e == 0) keep = sc.dropout.keep_bits(r_e, c);
+        if (DROPOUT && nt % 4 == 0 && e == 0) keep = sc.dropout.keep_bits(r_e, c);
         const float dP_Z = DROPOUT ? dP[nt][e] * sc.dropout.Z(keep, Dropout::slot(r_e, c)) : dP[nt][e];
         if (sc.plain()) {
           const bool seen = !edge || !mask.hides(r_e, c);
@@ -2140,6 +2150,7 @@ flash_fwd_hopper(const __grid_constant__ CUtensorMap Q_map, const __grid_constan
     float O_i[d / 8][4] = {}, m_i[2] = {M_START, M_START}, l_i[2] = {0.f, 0.f};  // l.5
     float S[B_c / 8][4], alpha[2];  // S_ij, then P_ij in fp32
     uint32_t P[B_c / 16][4];        // P_ij as A fragments, read by the wgmma on O_i
+    uint32_t kept[DROPOUT ? B_c / 8 : 1];  // dropout: Dropout::kept of P_ij's tiles, from softmax to to_P
     // S_ij = Q_i K_j^T (l.8) on tensor cores, for block j0 + n in stage s: d/16 wgmma, k slice kk 32 bytes * (kk % 4)
     // into panel kk / 4 of Q_i and K_j. Only issued: wgmma_wait collects the result.
     auto issue_S = [&](int n) {
@@ -2161,21 +2172,23 @@ flash_fwd_hopper(const __grid_constant__ CUtensorMap Q_map, const __grid_constan
       update_row_max<B_c>(S, m_i, l_i, alpha, f);
       for (int nt = 0; nt < B_c / 8; nt++)
         for (int e = 0; e < 4; e++) S[nt][e] = exp2_ftz(fmaf(S[nt][e], f, -m_i[e / 2])), l_i[e / 2] += S[nt][e];
-      // dropout: the dropped entries of P_ij zeroed (l_i has summed them all; the kept ones' factor 1 / (1 - p) is
-      // left to write_O_L), one Philox call per 16 keys, here where P_ij V_j of the block before still runs. Word w
-      // of a call's masks holds entries 2w and 2w + 1 of tiles 2kk, 2kk + 1: each half's top bit, moved to bit 31
-      // and shifted down arithmetically, gives a mask of all ones or all zeros for that float.
+      // dropout: the keep mask of P_ij drawn, one Philox call per 32 keys, here where P_ij V_j of the block before
+      // still runs; to_P applies it (l_i has summed all of P_ij; the kept entries' factor 1 / (1 - p) is left to
+      // write_O_L)
       if (DROPOUT)
 #pragma unroll
-        for (int kk = 0; kk < B_c / 16; kk++) {
-          const uint4 keep = sc.dropout.keep_masks(r, j * B_c + 16 * kk + 2 * t);
-          const uint32_t words[4] = {keep.x, keep.y, keep.z, keep.w};
-          for (int w = 0; w < 4; w++)
-            for (int h = 0; h < 2; h++) {
-              float& x = S[2 * kk + w / 2][2 * (w % 2) + h];
-              x = __int_as_float(__float_as_int(x) & int(words[w] << 16 * (1 - h)) >> 31);
-            }
+        for (int k = 0; k < B_c / 32; k++) {
+          const uint4 words = sc.dropout.kept(r, j * B_c + 32 * k + 2 * t);
+          kept[4 * k] = words.x, kept[4 * k + 1] = words.y, kept[4 * k + 2] = words.z, kept[4 * k + 3] = words.w;
         }
+    };
+    // P_ij as A fragments for P_ij V_j; with dropout, the dropped entries zeroed two at a time: register q of slice
+    // kk holds row q % 2 of tile 2kk + q / 2 (A_fragment)
+    auto to_P = [&] {
+      to_A_fragments<T, B_c>(P, S);
+      if (DROPOUT)
+        for (int kk = 0; kk < B_c / 16; kk++)
+          for (int q = 0; q < 4; q++) P[kk][q] &= Dropout::packed(kept[2 * kk + q / 2], q % 2);
     };
     // O_i += P_ij V_j (l.10) for block j0 + n in stage s: B_c/16 wgmma, keys 16kk..16kk+15 (16 rows of V_j, 2048
     // bytes) in slice kk. Only issued; afterwards this warp releases stage s once wgmma_wait has collected O_i.
@@ -2185,8 +2198,8 @@ flash_fwd_hopper(const __grid_constant__ CUtensorMap Q_map, const __grid_constan
       wgmma_commit();
     };
     mbar_wait(Q_full, 0);
-    forward_schedule<NWG, STAGES>(wg, n_blocks, S, O_i, full, empty, [](int) {}, issue_S, issue_PV, softmax,
-                                  [&] { to_A_fragments<T, B_c>(P, S); }, [&] { rescale_O<d>(O_i, alpha); });
+    forward_schedule<NWG, STAGES>(wg, n_blocks, S, O_i, full, empty, [](int) {}, issue_S, issue_PV, softmax, to_P,
+                                  [&] { rescale_O<d>(O_i, alpha); });
     write_O_L<T, d>(O_i, m_i, l_i, O.head(), L + mask.row_index(), r, t, mask.N_q, sc.dropout.scale);  // l.12-15
   }
 #endif
@@ -2887,8 +2900,8 @@ dim3 grid(int blocks, const at::Tensor& Q, const Scores& sc) { return dim3(block
 // window_right: -1 for no bound (causal is window_right = 0); softcap: 0 for none; alibi_slopes: fp32 (H_q)
 // or (B, H_q), contiguous (main.py checks). A packed batch (Q (1, H_q, total_q, d), K (1, H_kv, total_k, d))
 // has its sequence starts cu_q, cu_k (int32 (B + 1)) and its longest sequences' lengths max_q, max_k.
-// dropout_p > 0 (DROPOUT builds only): the Philox key, int64 (1,) on the GPU; p is rounded to a multiple of 2^-16,
-// and kept entries are scaled by 1 / (1 - that p), so that Z_ij averages exactly 1.
+// dropout_p > 0 (DROPOUT builds only): the Philox key, int64 (1,) on the GPU; p is rounded to a multiple of 1/256
+// (the draws are bytes), and kept entries are scaled by 1 / (1 - that p), so that Z_ij averages exactly 1.
 Scores scores(const at::Tensor& Q, const at::Tensor& K, int64_t window_left, int64_t window_right, double scale,
               double softcap, const std::optional<at::Tensor>& alibi_slopes, const std::optional<at::Tensor>& cu_q,
               const std::optional<at::Tensor>& cu_k, int64_t max_q, int64_t max_k, double dropout_p,
@@ -2902,9 +2915,9 @@ Scores scores(const at::Tensor& Q, const at::Tensor& K, int64_t window_left, int
                   packed ? cu_k->data_ptr<int>() : nullptr};
   TORCH_CHECK((dropout_p > 0) == DROPOUT && dropout_key.has_value() == DROPOUT, "this extension (DROPOUT = ",
               DROPOUT, ") takes ", DROPOUT ? "dropout_p > 0 and its key" : "no dropout");
-  const uint32_t threshold = std::min<uint32_t>(uint32_t(std::lround(dropout_p * 65536)), 65535);
+  const uint32_t threshold = std::min<uint32_t>(uint32_t(std::lround(dropout_p * 256)), 255);
   const Dropout dropout{DROPOUT ? dropout_key->data_ptr<int64_t>() : nullptr, threshold,
-                        float(65536.0 / (65536 - threshold))};
+                        float(256.0 / (256 - threshold))};
   return {mask, float(scale * LOG2E), softcap > 0 ? float(scale / softcap) : 0.f, float(softcap * LOG2E),
           alibi ? alibi_slopes->data_ptr<float>() : nullptr, alibi && alibi_slopes->dim() == 2 ? int(Q.size(1)) : 0,
           packed ? int(cu_q->size(0) - 1) : int(Q.size(0)), dropout};

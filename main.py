@@ -443,7 +443,7 @@ def flash_attention(q, k, v, causal=False, softmax_scale=None, kernel="auto", re
     the scaled scores. softcap c > 0: scores become c tanh(scores / c) (after the scale, before ALiBi).
 
     dropout_p: dropout of the attention probabilities P, in the kernels (each entry kept with probability
-    1 - p and scaled by 1 / (1 - p), p rounded to a multiple of 2^-16); the backward regenerates the same mask.
+    1 - p and scaled by 1 / (1 - p), p rounded to a multiple of 1/256); the backward regenerates the same mask.
     dropout_seed: the Philox key (an int in [0, 2^63)); None draws one from torch's generator, so that
     torch.manual_seed reproduces a run. dropout_mask(q, k, dropout_p, dropout_seed) is the mask a seed gives.
     deterministic: the backward computes dQ without atomics, in a second kernel with query blocks outer, so

@@ -94,17 +94,17 @@ def _blocks(first, last, size, count):
     return range(max(0, first) // size, min(count - 1, last // size) + 1) if last >= 0 else range(0)
 
 
-def philox(x, key):
-    """Philox4x32-10 (Salmon et al., SC 2011), the kernels' counter-based generator: 128 random bits from a
-    counter x (..., 4) and a key (k0, k1), all 32-bit words held in int64 tensors. Ten rounds of two 32 x 32 ->
-    64-bit products (split into 16-bit halves here, since int64 cannot hold them) mixed with the key, which
-    Weyl constants bump between rounds."""
+def philox(x, key, rounds=7):
+    """Philox4x32-7 (Salmon et al., SC 2011), the kernels' counter-based generator: 128 random bits from a
+    counter x (..., 4) and a key (k0, k1), all 32-bit words held in int64 tensors. Seven rounds (as
+    FlashAttention-2; the paper's default is 10) of two 32 x 32 -> 64-bit products (split into 16-bit halves
+    here, since int64 cannot hold them) mixed with the key, which Weyl constants bump between rounds."""
     def mulhilo(m, a):  # (m a) >> 32 and (m a) mod 2^32, exactly
         lo16, hi16 = a * (m & 0xFFFF), a * (m >> 16)               # each < 2^48
         return (hi16 + (lo16 >> 16)) >> 16, ((hi16 & 0xFFFF) << 16) + lo16 & 0xFFFFFFFF
     x0, x1, x2, x3 = x.unbind(-1)
     k0, k1 = key
-    for round in range(10):
+    for round in range(rounds):
         if round > 0:
             k0, k1 = (k0 + 0x9E3779B9) & 0xFFFFFFFF, (k1 + 0xBB67AE85) & 0xFFFFFFFF
         hi0, lo0 = mulhilo(0xD2511F53, x0)
@@ -114,34 +114,35 @@ def philox(x, key):
 
 
 def dropout_threshold(dropout_p):
-    """An entry is dropped when its 16 random bits are below this: p is rounded to a multiple of 2^-16."""
-    return min(round(dropout_p * 65536), 65535)
+    """An entry is dropped when its random byte is below this: p is rounded to a multiple of 1/256."""
+    return min(round(dropout_p * 256), 255)
 
 
 def dropout_scale(dropout_p):
     """1 / (1 - p) for the rounded p: the factor of a kept entry, so that Z_ij averages exactly 1."""
-    return 65536 / (65536 - dropout_threshold(dropout_p))
+    return 256 / (256 - dropout_threshold(dropout_p))
 
 
 def dropout_keep(seed, shape, dropout_p, device=None, first_batch=0, first_row=0, first_col=0):
     """The keep mask (B, H_q, N_q, N_k), bool, that the kernels draw for Philox key `seed` (a 64-bit int): entry
-    (b, h, r, c) is kept when its 16 bits are >= dropout_threshold. One Philox call serves the 8 entries of rows
-    {r, r + 8} x columns {c, c + 1, c + 8, c + 9} of a 16 x 16 tile (what one lane holds in the tensor cores'
-    m16n8 layout); its counter is (column group, row group, h, b) and the entry's bits are 16-bit word
-    4 (c/8 mod 2) + 2 (r/8 mod 2) + c mod 2 of the 128. first_batch, first_row, first_col: where the mask
-    starts (a block Z_ij; in a packed batch, sequence b is batch b, its rows and keys counted from its start)."""
+    (b, h, r, c) is kept when its random byte is >= dropout_threshold. One Philox call serves the 16 entries of
+    rows {r, r + 8} x columns {c, c + 1, c + 8, c + 9, c + 16, c + 17, c + 24, c + 25} of a 16 x 32 tile (what
+    one lane holds of four 16 x 8 tiles in the tensor cores' m16n8 layout); its counter is (column group, row
+    group, h, b) and the entry's byte is byte 4 (c/8 mod 4) + 2 (r/8 mod 2) + c mod 2 of the 16, little-endian.
+    first_batch, first_row, first_col: where the mask starts (a block Z_ij; in a packed batch, sequence b is
+    batch b, its rows and keys counted from its start)."""
     B, H, N_q, N_k = shape
     r, c = torch.arange(first_row, first_row + N_q, device=device), torch.arange(first_col, first_col + N_k,
                                                                                   device=device)
-    row_group, col_group = 8 * (r // 16) + r % 8, 4 * (c // 16) + c % 8 // 2       # (N_q,), (N_k,)
-    slot = 4 * (c[None, :] // 8 % 2) + 2 * (r[:, None] // 8 % 2) + c[None, :] % 2   # (N_q, N_k)
+    row_group, col_group = 8 * (r // 16) + r % 8, 4 * (c // 32) + c % 8 // 2       # (N_q,), (N_k,)
+    slot = 4 * (c[None, :] // 8 % 4) + 2 * (r[:, None] // 8 % 2) + c[None, :] % 2   # (N_q, N_k)
     R, C = row_group.unique(), col_group.unique()                                    # the calls it takes
     b, h, R_, C_ = torch.meshgrid(torch.arange(first_batch, first_batch + B, device=device),
                                   torch.arange(H, device=device), R, C, indexing="ij")  # (B, H, rows, cols)
     words = philox(torch.stack((C_, R_, h, b), -1), (seed & 0xFFFFFFFF, seed >> 32 & 0xFFFFFFFF))
-    bits = torch.stack((words & 0xFFFF, words >> 16), -1).flatten(-2)                # (B, H, rows, cols, 8)
+    bytes_ = torch.stack([words >> 8 * e & 0xFF for e in range(4)], -1).flatten(-2)  # (B, H, rows, cols, 16)
     rows, cols = torch.searchsorted(R, row_group), torch.searchsorted(C, col_group)  # each entry's call
-    return bits[:, :, rows[:, None], cols[None, :], slot] >= dropout_threshold(dropout_p)
+    return bytes_[:, :, rows[:, None], cols[None, :], slot] >= dropout_threshold(dropout_p)
 
 
 def _dropout_block(Q, dropout_p, dropout_seed, r0, r1, c0, c1):
