@@ -2374,13 +2374,17 @@ flash_bwd_hopper(const __grid_constant__ CUtensorMap Q_map, const __grid_constan
     auto issue_S_dP = [&](int i) {
       const int s = stage(i);
       mbar_wait(full(s), round(i) % 2);  // Q_i, dO_i, L_i and D_i have landed
+      // K_j's and V_j's addresses as values the compiler cannot see through, so that it makes their descriptors
+      // here: hoisted out of the loop, the d/8 descriptors held 64-bit registers, and at d = 256 others spilled
+      uint32_t K = K_s, V = V_s;
+      asm volatile("" : "+r"(K), "+r"(V));
       wgmma_fence();  // S and dP were last used by ordinary instructions (see the loop below)
       for (int kk = 0; kk < d / 16; kk++)
-        wgmma_ss<T, NQ>(S, smem_desc(K_s + kk / 4 * B_c * 128 + key0 * 128 + kk % 4 * 32, 0),
+        wgmma_ss<T, NQ>(S, smem_desc(K + kk / 4 * B_c * 128 + key0 * 128 + kk % 4 * 32, 0),
                         smem_desc(Q_s(s) + kk / 4 * B_r * 128 + q0 * 128 + kk % 4 * 32, 0), kk > 0);
       wgmma_commit();
       for (int kk = 0; kk < d / 16; kk++)
-        wgmma_ss<T, NQ>(dP, smem_desc(V_s + kk / 4 * B_c * 128 + key0 * 128 + kk % 4 * 32, 0),
+        wgmma_ss<T, NQ>(dP, smem_desc(V + kk / 4 * B_c * 128 + key0 * 128 + kk % 4 * 32, 0),
                         smem_desc(dO_s(s) + kk / 4 * B_r * 128 + q0 * 128 + kk % 4 * 32, 0), kk > 0);
       wgmma_commit();
     };

@@ -136,7 +136,7 @@ def test_dropout_with_masks_and_scores(kernel, dtype):
 
 @cuda
 @pytest.mark.parametrize("kernel, dtype", CASES)
-@pytest.mark.parametrize("N_q, N_k, d", [(100, 64, 64), (37, 128, 128)])
+@pytest.mark.parametrize("N_q, N_k, d", [(100, 64, 64), (37, 128, 128), (50, 40, 64)])  # (40: a partial call)
 def test_kernels_drop_exactly_the_mask(kernel, dtype, N_q, N_k, d):
     # q = k = 0 makes P uniform (1 / N_k); one-hot rows of V (V[c] = e_c) then give O[r, c] = Z_rc / N_k, and
     # one-hot rows of dO (dO[r] = e_r) give dV[c, r] = Z_rc / N_k: every dropped entry shows as a 0, in the
