@@ -538,9 +538,9 @@ __device__ void bwd_P_and_dS_fp32(const float* Q_s, const float* K_s, const floa
 // block, and those blocks run concurrently. The price of atomics: the order of the additions, and so the
 // last bits of dQ, can change from run to run. The alternative, a second kernel with query blocks outer
 // (flash_bwd_dq_fp32, deterministic=True), gives the same bits every run but recomputes S_ij and dP_ij (7 block
-// products instead of 5).
+// products instead of 5). Bounds (128, 1), as the forward's: without them its narrowest tiles spilled 4-40 bytes.
 template <int d, int B_r, int B_c>
-__global__ void __launch_bounds__(128)
+__global__ void __launch_bounds__(128, 1)
 flash_bwd_fp32(Rows<const float> Q, Rows<const float> K, Rows<const float> V, Rows<const float> dO,
                const float* __restrict__ L, const float* __restrict__ D, float* __restrict__ dQ,
                Rows<float> dK, Rows<float> dV, Scores sc, int group, float scale) {
