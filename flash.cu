@@ -270,6 +270,10 @@ struct Dropout {
     const uint32_t T = threshold * 0x01010101u;
     return make_uint4(__vcmpgeu4(x.x, T), __vcmpgeu4(x.y, T), __vcmpgeu4(x.z, T), __vcmpgeu4(x.w, T));
   }
+  // The words of kept() for the 16-key slice from key c0 (c0 % 16 = 0): the call's tiles 0, 1, or 2, 3
+  __device__ static uint2 slice(uint4 kept, int c0) {
+    return c0 % 32 ? make_uint2(kept.z, kept.w) : make_uint2(kept.x, kept.y);
+  }
   // A tile's word of kept() as the masks of its two packed 16-bit registers (row r, then row r + 8; see
   // exp_and_pack): 0xFFFF in the half of a kept entry
   __device__ static uint32_t packed(uint32_t word, int row_half) {
@@ -1095,12 +1099,13 @@ flash_fwd_turing(Rows<const __half> Q, Rows<const __half> K, Rows<const __half> 
     float alpha[2];  // l.9, and the rescaling of O_i in l.10
     update_row_max<B_c>(S, m_i, l_i, alpha);
     rescale_O<d>(O_i, alpha);
-    uint4 kept;  // dropout: Dropout::kept of keys 32(kk / 2) .. + 31, one call for two slices (B_c >= 32)
+    uint4 kept;  // dropout: Dropout::kept of keys 32(kk / 2) .. + 31, one call for two slices
     for (int kk = 0; kk < B_c / 16; kk++) {                                 // l.10: O_i += P_ij V_j
       uint32_t P_frag[4];  // the S accumulators of tiles 2kk, 2kk+1 are the A fragment of slice kk
       if (DROPOUT && kk % 2 == 0) kept = sc.dropout.kept(r, j * B_c + 16 * kk + 2 * t);
-      exp_and_pack<__half>(P_frag[0], P_frag[1], S[2 * kk], m_i, l_i, kk % 2 ? kept.z : kept.x);  // keys 16kk..+7
-      exp_and_pack<__half>(P_frag[2], P_frag[3], S[2 * kk + 1], m_i, l_i, kk % 2 ? kept.w : kept.y);  // +8 .. +15
+      const uint2 tiles = Dropout::slice(kept, j * B_c + 16 * kk);
+      exp_and_pack<__half>(P_frag[0], P_frag[1], S[2 * kk], m_i, l_i, tiles.x);      // keys 16kk .. 16kk+7
+      exp_and_pack<__half>(P_frag[2], P_frag[3], S[2 * kk + 1], m_i, l_i, tiles.y);  // keys 16kk+8 .. +15
       for (int nt = 0; nt < d / 8; nt += 2) {
         // B fragments of V_j (keys 16kk .. 16kk+15, columns 8nt .. 8nt+15), transposed on the way:
         // lane l points at key 16kk + l%8 + 8*((l/8)%2), column 8nt + 8*(l/16)
@@ -1329,12 +1334,11 @@ flash_fwd_ampere(Rows<const TQK> Q, Rows<const TQK> K, Rows<const T> V, Rows<T> 
 #pragma unroll
     for (int kk = 0; kk < B_c / 16; kk++) {                                 // l.10: O_i += P_ij V_j
       uint32_t P_frag[M][4];  // the S accumulators of tiles 2kk, 2kk+1 are the A fragment of slice kk
-      const bool upper = (j * B_c + 16 * kk) % 32;  // keys 16 .. 31 of its call (odd kk, or odd j if B_c = 16)
       for (int m = 0; m < M; m++) {
         if (DROPOUT && kk % 2 == 0) kept[m] = sc.dropout.kept(r + 16 * m, j * B_c + 16 * kk + 2 * t);
-        const uint32_t kept_0 = upper ? kept[m].z : kept[m].x, kept_1 = upper ? kept[m].w : kept[m].y;
-        exp_and_pack<T>(P_frag[m][0], P_frag[m][1], S[m][2 * kk], m_i[m], l_i[m], kept_0);  // keys 16kk..
-        exp_and_pack<T>(P_frag[m][2], P_frag[m][3], S[m][2 * kk + 1], m_i[m], l_i[m], kept_1);  // +8..
+        const uint2 tiles = Dropout::slice(kept[m], j * B_c + 16 * kk);
+        exp_and_pack<T>(P_frag[m][0], P_frag[m][1], S[m][2 * kk], m_i[m], l_i[m], tiles.x);      // keys 16kk..
+        exp_and_pack<T>(P_frag[m][2], P_frag[m][3], S[m][2 * kk + 1], m_i[m], l_i[m], tiles.y);  // +8..
       }
       for (int nt = 0; nt < d / 8; nt += 2) {
         uint32_t b[4];  // B fragments of V_j, transposed on the way (addresses as in the Turing kernel)
