@@ -53,6 +53,7 @@
 #include <ATen/ops/zeros.h>
 #include <torch/csrc/utils/pybind.h>
 #include <pybind11/stl.h>  // std::optional arguments
+#include <map>
 #include <cuda_runtime.h>
 #include <cudaTypedefs.h>  // PFN_cuTensorMapEncodeTiled (the Hopper kernel's tensor maps)
 #endif
@@ -1641,7 +1642,7 @@ flash_bwd_dq_ampere(Rows<const T> Q, Rows<const T> K, Rows<const T> V, Rows<cons
 //   S (16, 16)  = Q (16, d) K_j[16w .. 16w+15]^T      d/16 x 2 mma
 //   O (16, d)  += P (16, 16) V_j[16w .. 16w+15]       d/8 mma
 // seqlens_k (B), if given, is each sequence's own number of keys (a KV cache with room to spare); tickets, with
-// several splits, one int per tile (B * H_kv * tiles), zero at launch.
+// several splits, one int per tile (B * H_kv * tiles), zero at launch and left zero.
 // DecodeBlock holds what the Ampere and Hopper decoding kernels share; they differ in how K_j, V_j arrive.
 template <typename T, int d>
 struct DecodeBlock {
@@ -1754,7 +1755,11 @@ struct DecodeBlock {
     __threadfence();
     __syncthreads();  // every thread's part is written and fenced (and the loop above is done with scratch)
     int* last = reinterpret_cast<int*>(scratch);
-    if (threadIdx.x == 0) *last = atomicAdd(&tickets[blockIdx.z * gridDim.y + blockIdx.y], 1) == gridDim.x - 1;
+    if (threadIdx.x == 0) {
+      int& ticket = tickets[blockIdx.z * gridDim.y + blockIdx.y];
+      *last = atomicAdd(&ticket, 1) == gridDim.x - 1;
+      if (*last) ticket = 0;  // every split has drawn: the ticket is zero again for the next launch
+    }
     __syncthreads();  // every thread knows
     if (!*last) return;
     __threadfence();  // (the other splits' parts are read after their tickets)
@@ -1989,6 +1994,18 @@ __device__ inline void wgmma_m64nNk16_rs(float (&acc)[n / 8][4], const uint32_t 
   if constexpr (n == 64 && !half) WGMMA_RS("64", "bf16", REGS_N64, "{%32, %33, %34, %35}, %36", ACC_N64);
   if constexpr (n == 128 && half) WGMMA_RS("128", "f16", REGS_N128, "{%64, %65, %66, %67}, %68", ACC_N128);
   if constexpr (n == 128 && !half) WGMMA_RS("128", "bf16", REGS_N128, "{%64, %65, %66, %67}, %68", ACC_N128);
+}
+
+// S (64, 64) = A (64, 16) B (16, 64), or S += A B when accumulate, with A in registers (as above) and B in shared
+// memory K-major (contiguous along k: Q_i and dO_i as stored, for S_ij^T = K_j Q_i^T; imm-trans-b = 0).
+template <typename T>
+__device__ inline void wgmma_m64n64k16_rs_k_major(float (&acc)[8][4], const uint32_t (&a)[4], uint64_t b,
+                                                  bool accumulate) {
+#define WGMMA_RS_K(TY) asm volatile("{ .reg .pred p; setp.ne.b32 p, %37, 0; wgmma.mma_async.sync.aligned.m64n64k16.f32." \
+                                    TY "." TY " " REGS_N64 ", {%32, %33, %34, %35}, %36, p, 1, 1, 0; }"                   \
+                                    : ACC_N64 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(int(accumulate)))
+  if constexpr (std::is_same_v<T, __half>) WGMMA_RS_K("f16");
+  else WGMMA_RS_K("bf16");
 }
 
 // Columns c .. c+n-1 of a B operand that is N-major (V_j, dO_i, Q_i, K_j as stored, for products with n = d or
@@ -2250,6 +2267,9 @@ __device__ void copy_L_D(float* LD, const float* L, const float* D, int row0, in
 // Whether the hopper backward adds dQ_i by TMA from an fp32 tile in shared memory (else by atomics from registers):
 // the tile, (B_r = 64, d) fp32, fits beside the others up to d = 192.
 constexpr bool dQ_staged(int d) { return !DETERMINISTIC && d <= 192; }
+// Whether P_ij^T and dS_ij^T stay in registers as the A operands of dV_j and dK_j (else those products read them
+// from shared memory): up to d = 64, where dK_j and dV_j leave room for them (see the kernel).
+constexpr bool P_in_registers(int d) { return d <= 64; }
 
 // fp16/bf16 backward on Hopper (sm_90a): FlashAttention-2's Algorithm 2 with the forward's producer
 // warpgroup and mbarrier stages, and the Ampere backward's transposed products.
@@ -2264,7 +2284,14 @@ constexpr bool dQ_staged(int d) { return !DETERMINISTIC && d <= 192; }
 //   dK_j    (64, d)  += dS_ij^T Q_i    B_r/16 wgmma m64n{d}k16
 //   dQ_i (B_r, d/2) += dS_ij K_j       B_c/16 wgmma m64n{d/2}k16 (A: dS_ij^T read transposed)
 // with every operand in shared memory: P_ij^T and dS_ij^T go there from the accumulators, so that the
-// registers hold dK_j and dV_j (64 + 64 per thread at d = 128) and the products in flight. Past d = 128
+// registers hold dK_j and dV_j (64 + 64 per thread at d = 128) and the products in flight. Up to d = 64,
+// dK_j and dV_j take half that, and P_ij^T and dS_ij^T also stay in registers (32 per thread), as the A
+// fragments of dV_j's and dK_j's products (the accumulator layout of S_ij^T is that of an A operand, as in
+// the forward's P_ij V_j): only dS_ij^T, which dQ_i reads transposed, goes to shared memory; and K_j and V_j,
+// the A operands of S_ij^T and dP_ij^T, are loaded into registers once (ldmatrix, 16 + 16 per thread; not with
+// dropout, whose bits take those registers). Every
+// wgmma at d = 64 is small (n = 64), and reading both operands from shared memory bounds it: one whose A
+// comes from registers reads half the bytes. Past d = 128
 // those would be 2 * d/2 registers per thread: there B_c = 64, and the consumers split the columns instead
 // of the keys. Consumer c computes queries 32(c-1) .. 32c-1 of S_ij^T and dP_ij^T (m64n32k16), and columns
 // (c-1) d/2 .. c d/2 - 1 of dV_j and dK_j over all 64 keys, reading both consumers' P_ij^T and dS_ij^T.
@@ -2298,9 +2325,10 @@ flash_bwd_hopper(const __grid_constant__ CUtensorMap Q_map, const __grid_constan
   const uint32_t K_s = (smem_addr(smem_raw) + 1023) & ~1023u, V_s = K_s + KV_bytes;  // K_j, V_j (B_c, d)
   auto Q_s = [&](int s) { return V_s + KV_bytes + 2 * s * Q_bytes; };  // Q_i in stage s (B_r, d)
   auto dO_s = [&](int s) { return Q_s(s) + Q_bytes; };                // dO_i in stage s (B_r, d)
-  auto P_s = [&](int i) { return Q_s(STAGES) + i % 2 * 2 * P_bytes; };  // P_ij^T (B_c, B_r), buffer i % 2
-  auto dS_s = [&](int i) { return P_s(i) + P_bytes; };                  // dS_ij^T (B_c, B_r), buffer i % 2
-  const uint32_t dQ_s = Q_s(STAGES) + 4 * P_bytes;  // dQ_i (B_r, d) fp32 in panels of 32 columns (if staged)
+  constexpr int P_tiles = P_in_registers(d) ? 1 : 2;  // tiles in shared memory: dS_ij^T, and P_ij^T unless
+  auto dS_s = [&](int i) { return Q_s(STAGES) + i % 2 * P_tiles * P_bytes; };  // dS_ij^T (B_c, B_r), buffer i % 2
+  auto P_s = [&](int i) { return dS_s(i) + P_bytes; };                         // P_ij^T (B_c, B_r), buffer i % 2
+  const uint32_t dQ_s = Q_s(STAGES) + 2 * P_tiles * P_bytes;  // dQ_i (B_r, d) fp32 in panels of 32 columns (if staged)
   auto LD_s = [&](int s) { return dQ_s + (dQ_staged(d) ? B_r * d * 4 : 0) + s * 2 * B_r * 4; };  // L_i log2(e), D_i
   const uint32_t KV_full = LD_s(STAGES);                                // then the mbarriers, 8 bytes each
   auto full = [&](int s) { return KV_full + 8 * (1 + s); };
@@ -2374,6 +2402,16 @@ flash_bwd_hopper(const __grid_constant__ CUtensorMap Q_map, const __grid_constan
     const float dropout_scale = DROPOUT ? sc.dropout.scale : 1.f, dS_scale = scale * dropout_scale;  // (see P_and_dS)
     float dK_j[ND / 8][4] = {}, dV_j[ND / 8][4] = {};                          // l.7: dK_j = dV_j = 0
     float S[NQ / 8][4], dP[NQ / 8][4];  // S_ij^T, then P_ij^T; dP_ij^T, then dS_ij^T
+    uint32_t P_frag[NQ / 16][4], dS_frag[NQ / 16][4];  // P_ij^T, dS_ij^T as A fragments (if P_in_registers)
+    uint32_t K_frag[d / 16][4], V_frag[d / 16][4];      // this warp's 16 keys of K_j, V_j as A fragments, if
+    constexpr bool KV_in_registers = P_in_registers(d) && !DROPOUT;  // (beside dropout's bits they spilled)
+    auto load_KV_fragments = [&] {  // K_j, V_j into K_frag, V_frag: lane l reads row l % 16 of the warp's keys,
+      for (int kk = 0; kk < d / 16; kk++) {  // 16-byte piece 2kk + l / 16 (swizzled), as ldmatrix's A operand
+        const int row = key0 + 16 * warp + lane % 16, piece = (2 * kk + lane / 16) ^ (row % 8);
+        ldmatrix_x4(K_frag[kk], reinterpret_cast<void*>(__cvta_shared_to_generic(K_s + row * 128 + piece * 16)));
+        ldmatrix_x4(V_frag[kk], reinterpret_cast<void*>(__cvta_shared_to_generic(V_s + row * 128 + piece * 16)));
+      }
+    };
     // S_ij^T = K_j Q_i^T (l.10) and dP_ij^T = V_j dO_i^T (l.13) for query block i, as two groups: k slice kk
     // is 32 bytes * (kk % 4) into panel kk / 4 of each operand, as in the forward
     auto issue_S_dP = [&](int i) {
@@ -2384,13 +2422,19 @@ flash_bwd_hopper(const __grid_constant__ CUtensorMap Q_map, const __grid_constan
       uint32_t K = K_s, V = V_s;
       asm volatile("" : "+r"(K), "+r"(V));
       wgmma_fence();  // S and dP were last used by ordinary instructions (see the loop below)
-      for (int kk = 0; kk < d / 16; kk++)
-        wgmma_ss<T, NQ>(S, smem_desc(K + kk / 4 * B_c * 128 + key0 * 128 + kk % 4 * 32, 0),
-                        smem_desc(Q_s(s) + kk / 4 * B_r * 128 + q0 * 128 + kk % 4 * 32, 0), kk > 0);
+      for (int kk = 0; kk < d / 16; kk++)  // (K_frag, V_frag: one panel, NQ = B_r = 64)
+        if constexpr (KV_in_registers)
+          wgmma_m64n64k16_rs_k_major<T>(S, K_frag[kk], smem_desc(Q_s(s) + kk * 32, 0), kk > 0);
+        else
+          wgmma_ss<T, NQ>(S, smem_desc(K + kk / 4 * B_c * 128 + key0 * 128 + kk % 4 * 32, 0),
+                          smem_desc(Q_s(s) + kk / 4 * B_r * 128 + q0 * 128 + kk % 4 * 32, 0), kk > 0);
       wgmma_commit();
       for (int kk = 0; kk < d / 16; kk++)
-        wgmma_ss<T, NQ>(dP, smem_desc(V + kk / 4 * B_c * 128 + key0 * 128 + kk % 4 * 32, 0),
-                        smem_desc(dO_s(s) + kk / 4 * B_r * 128 + q0 * 128 + kk % 4 * 32, 0), kk > 0);
+        if constexpr (KV_in_registers)
+          wgmma_m64n64k16_rs_k_major<T>(dP, V_frag[kk], smem_desc(dO_s(s) + kk * 32, 0), kk > 0);
+        else
+          wgmma_ss<T, NQ>(dP, smem_desc(V + kk / 4 * B_c * 128 + key0 * 128 + kk % 4 * 32, 0),
+                          smem_desc(dO_s(s) + kk / 4 * B_r * 128 + q0 * 128 + kk % 4 * 32, 0), kk > 0);
       wgmma_commit();
     };
     // dV_j += P_ij^T dO_i (l.12) and dK_j += dS_ij^T Q_i (l.16), one group. Slice kk: queries 16kk.., which
@@ -2400,12 +2444,17 @@ flash_bwd_hopper(const __grid_constant__ CUtensorMap Q_map, const __grid_constan
       const int s = stage(i);
       constexpr int align = split_keys ? 64 : ND & -ND;
       wgmma_fence();
-      for (int kk = 0; kk < B_r / 16; kk++)
-        wgmma_ss_cols<T, ND, align, 0>(dV_j, smem_desc(P_s(i) + key0 * 128 + kk * 32, 0), dO_s(s) + kk * 2048, n0,
-                                       B_r * 128, true);
-      for (int kk = 0; kk < B_r / 16; kk++)
-        wgmma_ss_cols<T, ND, align, 0>(dK_j, smem_desc(dS_s(i) + key0 * 128 + kk * 32, 0), Q_s(s) + kk * 2048, n0,
-                                       B_r * 128, true);
+      if constexpr (P_in_registers(d)) {  // (split_keys: n0 = 0, ND = d)
+        for (int kk = 0; kk < B_r / 16; kk++) wgmma_rs_cols<T, d>(dV_j, P_frag[kk], dO_s(s) + kk * 2048, B_r * 128);
+        for (int kk = 0; kk < B_r / 16; kk++) wgmma_rs_cols<T, d>(dK_j, dS_frag[kk], Q_s(s) + kk * 2048, B_r * 128);
+      } else {
+        for (int kk = 0; kk < B_r / 16; kk++)
+          wgmma_ss_cols<T, ND, align, 0>(dV_j, smem_desc(P_s(i) + key0 * 128 + kk * 32, 0), dO_s(s) + kk * 2048, n0,
+                                         B_r * 128, true);
+        for (int kk = 0; kk < B_r / 16; kk++)
+          wgmma_ss_cols<T, ND, align, 0>(dK_j, smem_desc(dS_s(i) + key0 * 128 + kk * 32, 0), Q_s(s) + kk * 2048, n0,
+                                         B_r * 128, true);
+      }
       wgmma_commit();
     };
     // dQ_i's piece = dS_ij K_j (l.15), added into dQ: this consumer's columns (wg-1) d/2 .., DQ at a time (two
@@ -2491,10 +2540,13 @@ flash_bwd_hopper(const __grid_constant__ CUtensorMap Q_map, const __grid_constan
           if (DROPOUT) drop(S[nt][e], nt, e);
         }
     };
-    // P_ij^T and dS_ij^T into buffer i % 2 (last read by block i-2's products, done on both consumers), then
-    // dQ_i's piece once they are there
+    // P_ij^T and dS_ij^T into buffer i % 2 (last read by block i-2's products, done on both consumers), or into
+    // the A fragments (block i-1's products, which read them, are done), then dQ_i's piece once they are there
     auto store_and_dQ = [&](int i) {
-      store_panel<T, NQ>(P_s(i), S, key0 + 16 * warp + g, q0, g, t);
+      if constexpr (P_in_registers(d))
+        to_A_fragments<T, NQ>(P_frag, S), to_A_fragments<T, NQ>(dS_frag, dP);
+      else
+        store_panel<T, NQ>(P_s(i), S, key0 + 16 * warp + g, q0, g, t);
       store_panel<T, NQ>(dS_s(i), dP, key0 + 16 * warp + g, q0, g, t);
       asm volatile("fence.proxy.async.shared::cta;" ::: "memory");  // the stores are visible to wgmma
       asm volatile("bar.sync 1, 256;" ::: "memory");  // both consumers have stored dS_ij^T
@@ -2508,6 +2560,7 @@ flash_bwd_hopper(const __grid_constant__ CUtensorMap Q_map, const __grid_constan
     // warpgroup.arrive of its own inside it and then waited after every wgmma of the kernel (its messages C7519 and
     // C7520), and with different pieces on two paths it did the same for want of registers (C7511).
     mbar_wait(KV_full, 0);
+    if constexpr (KV_in_registers) load_KV_fragments();
     issue_S_dP(i_start);
     wgmma_commit();  // an empty group in place of dV, dK keeps P_and_dS's counting
     P_and_dS(i_start);
@@ -3152,10 +3205,11 @@ void bwd_hopper(const at::Tensor& Q, const at::Tensor& K, const at::Tensor& V, c
   // takes 226 KB at d = 256.
   constexpr int B_r = 64, B_c = d <= 128 ? 128 : 64, STAGES = d <= 64 ? 3 : 2;
   const int N_k = sc.mask.N_k;  // (a packed batch: the longest sequence's)
-  // K_j, V_j; STAGES stages of Q_i, dO_i, L_i, D_i; two buffers of P_ij^T and dS_ij^T; the mbarriers; 1 KB of
-  // slack to align the tiles to 1024 bytes
-  const size_t smem = (2 * B_c + 2 * STAGES * B_r) * 128 * panels(d) + sizeof(T) * 4 * B_c * B_r +
-                      (dQ_staged(d) ? B_r * d * 4 : 0) + STAGES * 2 * B_r * 4 + 8 * (1 + 2 * STAGES) + 1024;
+  // K_j, V_j; STAGES stages of Q_i, dO_i, L_i, D_i; two buffers of dS_ij^T and (past d = 64) of P_ij^T; the dQ_i
+  // tile; the mbarriers; 1 KB of slack to align the tiles to 1024 bytes
+  const size_t smem = (2 * B_c + 2 * STAGES * B_r) * 128 * panels(d) +
+                      sizeof(T) * (P_in_registers(d) ? 2 : 4) * B_c * B_r + (dQ_staged(d) ? B_r * d * 4 : 0) +
+                      STAGES * 2 * B_r * 4 + 8 * (1 + 2 * STAGES) + 1024;
   launch(flash_bwd_hopper<T, d, B_c, STAGES>, grid((N_k + B_c - 1) / B_c, Q, sc), 384, smem, stream, tensor_map(Q, B_r),
          tensor_map(K, B_c), tensor_map(V, B_c), tensor_map(dO, B_r), tensor_map(dQ, B_r), ptr<float>(L), ptr<float>(D),
          ptr<float>(dQ), rows<T>(dK, sc.mask.cu_k), rows<T>(dV, sc.mask.cu_k), sc, group(Q, K), scale);
@@ -3214,10 +3268,13 @@ void decode(const at::Tensor& Q, const at::Tensor& K, const at::Tensor& V, at::T
   const auto kernel = flash_decode<T, d, STAGES>;
   const auto K_arg = rows<const T>(K), V_arg = rows<const T>(V);
 #endif
-  // Splits: the blocks should fill the GPU in whole waves, since a last wave that is mostly empty leaves SMs
-  // idle for a block's whole time. Of the split counts that give each split 2 key blocks or more, the
-  // fewest whose waves are 95% as full as the fullest can be (at B * H_kv = 8 on an H100: 16 splits
-  // fill 132 block slots at d = 128, one per SM; one split would leave 124 empty).
+  // Splits: decoding is bound by memory, and a block's time is about its share of the T_c key blocks plus a
+  // fixed cost (its start, and the write and merge of its part: about two key blocks' time). The blocks run in
+  // waves of `slots`, and a last wave that is mostly empty leaves SMs idle for a block's whole time, so the
+  // split count is the one of least waves * (T_c / splits + 2), each split keeping 2 key blocks or more. At
+  // B * H_kv = 8 on an H100 (132 slots at d = 128, one block per SM): 16 splits fill one wave, where one split
+  // would leave 124 SMs idle; at B * H_kv = 1024 and N_k = 131072, 5 splits make 39 waves where one split
+  // made 8, the last with a quarter of the SMs idle (22.0 ms a step against 22.2 ms).
   int device;
   CUDA_CHECK(cudaGetDevice(&device));
   static int slots[64] = {};  // blocks of this kernel that the device's SMs hold at once, asked once per device
@@ -3229,29 +3286,30 @@ void decode(const at::Tensor& Q, const at::Tensor& K, const at::Tensor& V, at::T
     slots[device] = sms * per_sm;
   }
   const int tiles = (G * N_q + 15) / 16, T_c = (N_k + B_c - 1) / B_c, blocks = B * H_kv * tiles;
-  const auto fullness = [&](int splits) {  // of the last wave
-    const double waves = double(blocks) * splits / slots[device];
-    return waves / std::ceil(waves);
+  const auto cost = [&](int splits) {  // in key blocks' time
+    const int64_t waves = (int64_t(blocks) * splits + slots[device] - 1) / slots[device];
+    return waves * ((T_c + splits - 1) / splits + 2);
   };
-  const int most = std::clamp(T_c / 2, 1, DecodeBlock<T, d>::MAX_SPLITS);
-  double best = 0;
-  for (int s = 1; s <= most; s++) best = std::max(best, fullness(s));
   int splits = 1;
-  while (fullness(splits) < 0.95 * best) splits++;
+  for (int s = 2; s <= std::min(T_c / 2, DecodeBlock<T, d>::MAX_SPLITS); s++)
+    if (cost(s) < cost(splits)) splits = s;
   const dim3 grid(splits, H_kv * tiles, B);
   if (splits == 1) {
     launch(kernel, grid, 128, smem, stream, rows<const T>(Q), K_arg, V_arg, rows<T>(O),
            ptr<float>(L), nullptr, nullptr, sc, seqlens_k, G, nullptr);
     return;
   }
-  // The splits' parts O_part, L_part (fp32) and a ticket per tile (zero), in one allocation
+  // The splits' parts O_part, L_part (fp32), and a ticket per tile. The kernel leaves the tickets zero, so one
+  // buffer per device and stream, zeroed when it is made, serves every call: no memset before each step (on
+  // an H100 that memset took 0.9 us of a 19.7 us step). (Kernels on two streams at once must not share tickets.)
   const int64_t n_rows = int64_t(B) * H_q * N_q;
-  auto parts = at::empty({splits * n_rows * (d + 1) + blocks}, Q.options().dtype(at::kFloat));
+  auto parts = at::empty({splits * n_rows * (d + 1)}, Q.options().dtype(at::kFloat));
   float *O_part = ptr<float>(parts), *L_part = O_part + splits * n_rows * d;
-  int* tickets = reinterpret_cast<int*>(L_part + splits * n_rows);
-  CUDA_CHECK(cudaMemsetAsync(tickets, 0, blocks * sizeof(int), stream));
+  static auto* tickets = new std::map<std::pair<int, cudaStream_t>, at::Tensor>;  // (never destroyed: at exit
+  at::Tensor& ours = (*tickets)[{device, stream}];                               // CUDA may be gone first)
+  if (!ours.defined() || ours.numel() < blocks) ours = at::zeros({blocks}, Q.options().dtype(at::kInt));
   launch(kernel, grid, 128, smem, stream, rows<const T>(Q), K_arg, V_arg, rows<T>(O),
-         ptr<float>(L), O_part, L_part, sc, seqlens_k, G, tickets);
+         ptr<float>(L), O_part, L_part, sc, seqlens_k, G, ptr<int>(ours));
 }
 #else
 ;

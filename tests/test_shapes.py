@@ -76,6 +76,29 @@ def test_decoding_splits_the_keys(kernel, dtype, d):
             check(kernel, q, k, v, do, causal)
 
 
+@pytest.mark.parametrize("kernel, dtype", SPLIT_KV)
+def test_decoding_tickets_are_ready_for_the_next_call(kernel, dtype):
+    """The splits of a tile take tickets from a buffer kept between calls, which the last split sets back to
+    zero: calls after calls, of other shapes (more tiles, other split counts) and on another stream all merge
+    (a ticket left nonzero would leave that tile's O unmerged)."""
+    torch.manual_seed(0)
+    make = lambda *shape: torch.randn(*shape, 64, device="cuda", dtype=DTYPES[dtype])  # noqa: E731
+    problems = [(make(1, 8, 1), make(1, 1, 5000), make(1, 1, 5000)),
+                (make(2, 32, 1), make(2, 8, 3000), make(2, 8, 3000)), (make(1, 4, 2), make(1, 4, 700), make(1, 4, 700))]
+    first = [flash_attention(q, k, v, kernel=kernel) for q, k, v in problems]
+    for (q, k, v), o in zip(problems, first):
+        exact = reference.attention(q.double(), k.double(), v.double(), causal=False)
+        assert rel_err(o, exact) < (2e-2 if dtype == "bfloat16" else 3e-3), f"{tuple(k.shape)}: O is wrong"
+    for (q, k, v), o in zip(problems * 2, first * 2):  # (the merge adds the splits in one order: equal bits)
+        assert torch.equal(flash_attention(q, k, v, kernel=kernel), o), f"{tuple(k.shape)}: a later call differs"
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        side = [flash_attention(q, k, v, kernel=kernel) for q, k, v in problems]
+    torch.cuda.current_stream().wait_stream(stream)
+    assert all(torch.equal(a, b) for a, b in zip(side, first)), "a call on another stream differs"
+
+
 def cache_problem(kernel, dtype, B=3, H_q=8, H_kv=2, N_max=300, N_new=1, d=64):
     g = torch.Generator(device="cuda").manual_seed(N_new)
     make = lambda *shape: torch.randn(*shape, device="cuda", dtype=DTYPES[dtype], generator=g)  # noqa: E731
