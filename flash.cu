@@ -360,16 +360,38 @@ __device__ float log_sum_exp(float m_i, float l_i) { return (m_i + log2f(l_i)) *
 // l.12: 1 / l_i, the factor of O_i; 0 for a row that saw no key, whose O_i is then 0 (0 / 0 would be NaN).
 __device__ float inverse(float l_i) { return l_i > 0.f ? 1.f / l_i : 0.f; }
 
-// Alg.2 l.4: D_i = rowsum(dO_i o O_i), before the backward kernel. Grid (N/8, H, B); one warp per row.
-template <typename T>
-__global__ void flash_bwd_preprocess(Rows<const T> O, Rows<const T> dO, float* __restrict__ D, int N, int d) {
-  const int row = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32, lane = threadIdx.x % 32;
-  if (row >= N) return;  // whole warps leave together: the shuffles below stay full-warp
-  const T *O_r = O.head().at(row), *dO_r = dO.head().at(row);
-  float acc = 0.f;
-  for (int x = lane; x < d; x += 32) acc += to_float(O_r[x]) * to_float(dO_r[x]);
-  for (int off = 16; off > 0; off /= 2) acc += __shfl_xor_sync(~0u, acc, off);
-  if (lane == 0) D[head_index() * N + row] = acc;
+// Alg.2 l.4: D_i = rowsum(dO_i o O_i), before the backward kernel; and dQ (fp32 (B, H, N, d), if given), which the
+// backward kernels add into, set to zero on the way. Bound by memory: each lane reads 16-byte pieces of a row of
+// O and of dO, LANES lanes to a row (a power of two, at least its d / E pieces of E elements, at most 32), so that
+// a warp takes 32 / LANES rows at a time, and STEPS times that in all, its loads issued before any sum (one warp
+// per row with 2-byte loads had too few bytes in flight: 0.6 TB/s on an H100). Grid (N / rows per block, H, B).
+__host__ __device__ constexpr int preprocess_lanes(int pieces) { return pieces > 16 ? 32 : pieces > 8 ? 16 : pieces > 4 ? 8 : 4; }
+template <typename T, int d, int STEPS = 4>
+__global__ void __launch_bounds__(256)
+flash_bwd_preprocess(Rows<const T> O, Rows<const T> dO, float* __restrict__ D, float* __restrict__ dQ, int N) {
+  constexpr int E = 16 / sizeof(T), LANES = preprocess_lanes(d / E), R = 32 / LANES;  // R rows per warp at a time
+  const int lane = threadIdx.x % 32, first = (blockIdx.x * 8 + threadIdx.x / 32) * R * STEPS + lane / LANES;
+  O = O.head(), dO = dO.head();
+  float acc[STEPS] = {};
+#pragma unroll
+  for (int step = 0; step < STEPS; step++) {
+    const int row = first + R * step;
+    for (int p = lane % LANES; p < d / E && row < N; p += LANES) {  // piece p: elements E p .. E p + E - 1
+      const uint4 o = *reinterpret_cast<const uint4*>(O.at(row) + E * p);
+      const uint4 g = *reinterpret_cast<const uint4*>(dO.at(row) + E * p);
+      for (int e = 0; e < E; e++) acc[step] += to_float(reinterpret_cast<const T*>(&o)[e]) * to_float(reinterpret_cast<const T*>(&g)[e]);
+    }
+  }
+#pragma unroll
+  for (int step = 0; step < STEPS; step++) {
+    for (int off = LANES / 2; off > 0; off /= 2) acc[step] += __shfl_xor_sync(~0u, acc[step], off);  // the row's lanes
+    const int row = first + R * step;
+    if (row >= N) continue;
+    if (lane % LANES == 0) D[head_index() * N + row] = acc[step];
+    if (dQ)
+      for (int p = lane % LANES; p < d / 4; p += LANES)  // (4 floats a piece)
+        reinterpret_cast<float4*>(dQ + (head_index() * N + row) * d)[p] = make_float4(0.f, 0.f, 0.f, 0.f);
+  }
 }
 
 // ======================================================================================================
@@ -3011,11 +3033,12 @@ void launch(Kernel kernel, dim3 grid, int threads, size_t smem, cudaStream_t str
   CUDA_CHECK(cudaGetLastError());
 }
 
-// D = rowsum(dO o O) for every row of every head: 8 rows (one per warp) per block of 256 threads.
-template <typename T>
-void launch_preprocess(const at::Tensor& O, const at::Tensor& dO, at::Tensor& D, cudaStream_t stream) {
-  launch(flash_bwd_preprocess<T>, dim3((O.size(2) + 7) / 8, O.size(1), O.size(0)), 256, 0, stream,
-         rows<const T>(O), rows<const T>(dO), ptr<float>(D), (int)O.size(2), (int)O.size(3));
+// D = rowsum(dO o O) for every row of every head, and dQ = 0 (if given): 8 warps per block of 256 threads.
+template <typename T, int d>
+void launch_preprocess(const at::Tensor& O, const at::Tensor& dO, at::Tensor& D, float* dQ, cudaStream_t stream) {
+  const int rows_per_block = 8 * 32 / preprocess_lanes(d * sizeof(T) / 16) * 4;  // (STEPS = 4)
+  launch(flash_bwd_preprocess<T, d>, dim3((O.size(2) + rows_per_block - 1) / rows_per_block, O.size(1), O.size(0)),
+         256, 0, stream, rows<const T>(O), rows<const T>(dO), ptr<float>(D), dQ, (int)O.size(2));
 }
 
 #if defined(BUILD_hopper) || defined(BUILD_hopper_fp8)
@@ -3403,14 +3426,15 @@ std::vector<at::Tensor> backward(const at::Tensor& Q, const at::Tensor& K, const
                                  const std::optional<at::Tensor>& dropout_key, int64_t stream) {
   const auto s = reinterpret_cast<cudaStream_t>(stream);
   auto D = at::empty_like(L);
-  auto dQ = DETERMINISTIC ? at::empty_like(Q) : at::zeros(Q.sizes(), Q.options().dtype(at::kFloat));
+  auto dQ = DETERMINISTIC ? at::empty_like(Q) : at::empty(Q.sizes(), Q.options().dtype(at::kFloat));  // (zeroed below)
   const bool grouped = Q.size(1) != K.size(1);
   const auto per_query_head = [&](const at::Tensor& X) {
     return grouped ? at::empty({X.size(0), Q.size(1), X.size(2), X.size(3)}, X.options()) : at::empty_like(X);
   };
   auto dK = per_query_head(K), dV = per_query_head(V);
   with_type_and_head_dim(Q, [&]<typename T, int d>() {
-    launch_preprocess<T>(O, dO, D, s);  // (a packed batch: as one sequence of total_q rows)
+    launch_preprocess<T, d>(O, dO, D, DETERMINISTIC ? nullptr : ptr<float>(dQ), s);  // (a packed batch: as one
+                                                                                      // sequence of total_q rows)
     if (dL) D.sub_(*dL);
     const Scores sc = scores(Q, K, window_left, window_right, scale, softcap, alibi_slopes, cu_q, cu_k, max_q, max_k,
                              dropout_p, dropout_key);

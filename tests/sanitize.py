@@ -36,7 +36,7 @@ TOOLS = ("memcheck", "racecheck", "synccheck", "initcheck")
 LENGTHS = "1,37,130"
 SHAPES = [(1, 1100, 8, 2), (37, 130, 4, 2), (130, 37, 4, 1)]  # (N_q, N_k, H_q, H_kv)
 # Only our kernels (flash_fwd_*, flash_bwd_*, flash_decode, ...) are instrumented, not PyTorch's. Not for initcheck: a write by
-# a kernel it does not instrument would count as missing, and a PyTorch kernel zeroes dQ before ours add to it.
+# a kernel it does not instrument would count as missing (the inputs, which PyTorch's kernels write).
 ONLY_OURS = ["--kernel-name", "kns=flash_"]
 OPTIONS = {"memcheck": ONLY_OURS + ["--padding", "64"],  # a gap after each allocation, so overruns hit no tensor
            "racecheck": ONLY_OURS, "synccheck": ONLY_OURS, "initcheck": []}
