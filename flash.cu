@@ -365,7 +365,9 @@ __device__ float inverse(float l_i) { return l_i > 0.f ? 1.f / l_i : 0.f; }
 // O and of dO, LANES lanes to a row (a power of two, at least its d / E pieces of E elements, at most 32), so that
 // a warp takes 32 / LANES rows at a time, and STEPS times that in all, its loads issued before any sum (one warp
 // per row with 2-byte loads had too few bytes in flight: 0.6 TB/s on an H100). Grid (N / rows per block, H, B).
-__host__ __device__ constexpr int preprocess_lanes(int pieces) { return pieces > 16 ? 32 : pieces > 8 ? 16 : pieces > 4 ? 8 : 4; }
+__host__ __device__ constexpr int preprocess_lanes(int pieces) {
+  return pieces > 16 ? 32 : pieces > 8 ? 16 : pieces > 4 ? 8 : 4;
+}
 template <typename T, int d, int STEPS = 4>
 __global__ void __launch_bounds__(256)
 flash_bwd_preprocess(Rows<const T> O, Rows<const T> dO, float* __restrict__ D, float* __restrict__ dQ, int N) {
@@ -379,7 +381,8 @@ flash_bwd_preprocess(Rows<const T> O, Rows<const T> dO, float* __restrict__ D, f
     for (int p = lane % LANES; p < d / E && row < N; p += LANES) {  // piece p: elements E p .. E p + E - 1
       const uint4 o = *reinterpret_cast<const uint4*>(O.at(row) + E * p);
       const uint4 g = *reinterpret_cast<const uint4*>(dO.at(row) + E * p);
-      for (int e = 0; e < E; e++) acc[step] += to_float(reinterpret_cast<const T*>(&o)[e]) * to_float(reinterpret_cast<const T*>(&g)[e]);
+      const T *o_e = reinterpret_cast<const T*>(&o), *g_e = reinterpret_cast<const T*>(&g);
+      for (int e = 0; e < E; e++) acc[step] += to_float(o_e[e]) * to_float(g_e[e]);
     }
   }
 #pragma unroll
@@ -2311,9 +2314,8 @@ constexpr bool P_in_registers(int d) { return d <= 64; }
 // fragments of dV_j's and dK_j's products (the accumulator layout of S_ij^T is that of an A operand, as in
 // the forward's P_ij V_j): only dS_ij^T, which dQ_i reads transposed, goes to shared memory; and K_j and V_j,
 // the A operands of S_ij^T and dP_ij^T, are loaded into registers once (ldmatrix, 16 + 16 per thread; not with
-// dropout, whose bits take those registers). Every
-// wgmma at d = 64 is small (n = 64), and reading both operands from shared memory bounds it: one whose A
-// comes from registers reads half the bytes. Past d = 128
+// dropout, whose bits take those registers). Every wgmma at d = 64 is small (n = 64), and reading both operands
+// from shared memory bounds it: one whose A comes from registers reads half the bytes. Past d = 128
 // those would be 2 * d/2 registers per thread: there B_c = 64, and the consumers split the columns instead
 // of the keys. Consumer c computes queries 32(c-1) .. 32c-1 of S_ij^T and dP_ij^T (m64n32k16), and columns
 // (c-1) d/2 .. c d/2 - 1 of dV_j and dK_j over all 64 keys, reading both consumers' P_ij^T and dS_ij^T.
@@ -2347,7 +2349,7 @@ flash_bwd_hopper(const __grid_constant__ CUtensorMap Q_map, const __grid_constan
   const uint32_t K_s = (smem_addr(smem_raw) + 1023) & ~1023u, V_s = K_s + KV_bytes;  // K_j, V_j (B_c, d)
   auto Q_s = [&](int s) { return V_s + KV_bytes + 2 * s * Q_bytes; };  // Q_i in stage s (B_r, d)
   auto dO_s = [&](int s) { return Q_s(s) + Q_bytes; };                // dO_i in stage s (B_r, d)
-  constexpr int P_tiles = P_in_registers(d) ? 1 : 2;  // tiles in shared memory: dS_ij^T, and P_ij^T unless
+  constexpr int P_tiles = P_in_registers(d) ? 1 : 2;  // per buffer: dS_ij^T, and P_ij^T past d = 64
   auto dS_s = [&](int i) { return Q_s(STAGES) + i % 2 * P_tiles * P_bytes; };  // dS_ij^T (B_c, B_r), buffer i % 2
   auto P_s = [&](int i) { return dS_s(i) + P_bytes; };                         // P_ij^T (B_c, B_r), buffer i % 2
   const uint32_t dQ_s = Q_s(STAGES) + 2 * P_tiles * P_bytes;  // dQ_i (B_r, d) fp32 in panels of 32 columns (if staged)
@@ -2425,8 +2427,8 @@ flash_bwd_hopper(const __grid_constant__ CUtensorMap Q_map, const __grid_constan
     float dK_j[ND / 8][4] = {}, dV_j[ND / 8][4] = {};                          // l.7: dK_j = dV_j = 0
     float S[NQ / 8][4], dP[NQ / 8][4];  // S_ij^T, then P_ij^T; dP_ij^T, then dS_ij^T
     uint32_t P_frag[NQ / 16][4], dS_frag[NQ / 16][4];  // P_ij^T, dS_ij^T as A fragments (if P_in_registers)
-    uint32_t K_frag[d / 16][4], V_frag[d / 16][4];      // this warp's 16 keys of K_j, V_j as A fragments, if
-    constexpr bool KV_in_registers = P_in_registers(d) && !DROPOUT;  // (beside dropout's bits they spilled)
+    uint32_t K_frag[d / 16][4], V_frag[d / 16][4];      // this warp's 16 keys of K_j, V_j as A fragments (if
+    constexpr bool KV_in_registers = P_in_registers(d) && !DROPOUT;  // so: beside dropout's bits, 60 bytes spilled)
     auto load_KV_fragments = [&] {  // K_j, V_j into K_frag, V_frag: lane l reads row l % 16 of the warp's keys,
       for (int kk = 0; kk < d / 16; kk++) {  // 16-byte piece 2kk + l / 16 (swizzled), as ldmatrix's A operand
         const int row = key0 + 16 * warp + lane % 16, piece = (2 * kk + lane / 16) ^ (row % 8);
