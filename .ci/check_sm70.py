@@ -23,7 +23,7 @@ KERNELS = [f"flash_fwd_volta<{d}, 4>" for d in (64, 128)]
 KERNELS += [f"flash_fwd_fp32<{d}, {B_r}, {64 if d <= 64 else 32}>" for d in (16, 32, 64, 96, 128) for B_r in (64, 32)]
 KERNELS += [f"flash_bwd_fp32<{d}, {B_r}, {64 if d <= 64 else 32}>" for d in (16, 32, 64, 96, 128)
             for B_r in ((64, 32, 16) if d <= 64 else (32, 16))]
-KERNELS += ["flash_bwd_preprocess<float>"]
+KERNELS += [f"flash_bwd_preprocess<float, {d}>" for d in (16, 32, 64, 96, 128)]
 OPTIONS = ["--gpu-architecture=compute_70", "-std=c++17", f"-I{CUDA / 'cuda_runtime' / 'include'}",
            "-DINFINITY=__int_as_float(0x7f800000)",  # math.h's INFINITY, which NVRTC does not provide
            # the defines of PyTorch's extension build (no implicit half <-> float conversions)
