@@ -365,20 +365,24 @@ __device__ float inverse(float l_i) { return l_i > 0.f ? 1.f / l_i : 0.f; }
 // O and of dO, LANES lanes to a row (a power of two, at least its d / E pieces of E elements, at most 32), so that
 // a warp takes 32 / LANES rows at a time, and STEPS times that in all, its loads issued before any sum (one warp
 // per row with 2-byte loads had too few bytes in flight: 0.6 TB/s on an H100). Grid (N / rows per block, H, B).
-__host__ __device__ constexpr int preprocess_lanes(int pieces) {
-  return pieces > 16 ? 32 : pieces > 8 ? 16 : pieces > 4 ? 8 : 4;
-}
-template <typename T, int d, int STEPS = 4>
+template <typename T, int d>
+struct Preprocess {
+  static constexpr int E = 16 / sizeof(T), P = d / E;                           // P pieces of E elements a row
+  static constexpr int LANES = P > 16 ? 32 : P > 8 ? 16 : P > 4 ? 8 : 4, R = 32 / LANES;  // R rows at a time
+  static constexpr int STEPS = 4, ROWS = 8 * R * STEPS;                         // ROWS per block of 8 warps
+};
+template <typename T, int d>
 __global__ void __launch_bounds__(256)
 flash_bwd_preprocess(Rows<const T> O, Rows<const T> dO, float* __restrict__ D, float* __restrict__ dQ, int N) {
-  constexpr int E = 16 / sizeof(T), LANES = preprocess_lanes(d / E), R = 32 / LANES;  // R rows per warp at a time
+  using Pre = Preprocess<T, d>;
+  constexpr int E = Pre::E, LANES = Pre::LANES, R = Pre::R, STEPS = Pre::STEPS;
   const int lane = threadIdx.x % 32, first = (blockIdx.x * 8 + threadIdx.x / 32) * R * STEPS + lane / LANES;
   O = O.head(), dO = dO.head();
   float acc[STEPS] = {};
 #pragma unroll
   for (int step = 0; step < STEPS; step++) {
     const int row = first + R * step;
-    for (int p = lane % LANES; p < d / E && row < N; p += LANES) {  // piece p: elements E p .. E p + E - 1
+    for (int p = lane % LANES; p < Pre::P && row < N; p += LANES) {  // piece p: elements E p .. E p + E - 1
       const uint4 o = *reinterpret_cast<const uint4*>(O.at(row) + E * p);
       const uint4 g = *reinterpret_cast<const uint4*>(dO.at(row) + E * p);
       const T *o_e = reinterpret_cast<const T*>(&o), *g_e = reinterpret_cast<const T*>(&g);
@@ -3038,7 +3042,7 @@ void launch(Kernel kernel, dim3 grid, int threads, size_t smem, cudaStream_t str
 // D = rowsum(dO o O) for every row of every head, and dQ = 0 (if given): 8 warps per block of 256 threads.
 template <typename T, int d>
 void launch_preprocess(const at::Tensor& O, const at::Tensor& dO, at::Tensor& D, float* dQ, cudaStream_t stream) {
-  const int rows_per_block = 8 * 32 / preprocess_lanes(d * sizeof(T) / 16) * 4;  // (STEPS = 4)
+  constexpr int rows_per_block = Preprocess<T, d>::ROWS;
   launch(flash_bwd_preprocess<T, d>, dim3((O.size(2) + rows_per_block - 1) / rows_per_block, O.size(1), O.size(0)),
          256, 0, stream, rows<const T>(O), rows<const T>(dO), ptr<float>(D), dQ, (int)O.size(2));
 }
