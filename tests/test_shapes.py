@@ -66,10 +66,11 @@ def test_unequal_lengths_and_groups(kernel, dtype, N_q, N_k, H_kv, causal):
 @pytest.mark.parametrize("kernel, dtype", SPLIT_KV)
 def test_decoding_splits_the_keys(kernel, dtype, d):
     """One query per head against long caches: B * H_kv blocks are few, so the keys are split over many
-    (up to T_c / 4 = 78 splits at N_k = 5000), then merged by L; GQA packs a group's heads into the rows."""
+    (up to T_c / 4 = 78 splits at N_k = 5000), then merged by L; GQA packs a group's heads into the rows. And
+    320 tiles, more than the GPU holds at once (in waves)."""
     torch.manual_seed(d)
     for B, H_q, H_kv, N_q, N_k in [(1, 8, 1, 1, 5000), (1, 32, 8, 1, 5000), (3, 4, 4, 1, 4099), (1, 8, 2, 3, 2000),
-                                   (2, 32, 1, 1, 777)]:
+                                   (2, 32, 1, 1, 777), (40, 16, 8, 1, 1000)]:
         q, do = (torch.randn(B, H_q, N_q, d, device="cuda", dtype=DTYPES[dtype]) for _ in range(2))
         k, v = (torch.randn(B, H_kv, N_k, d, device="cuda", dtype=DTYPES[dtype]) for _ in range(2))
         for causal in (False, True):
@@ -97,6 +98,27 @@ def test_decoding_tickets_are_ready_for_the_next_call(kernel, dtype):
         side = [flash_attention(q, k, v, kernel=kernel) for q, k, v in problems]
     torch.cuda.current_stream().wait_stream(stream)
     assert all(torch.equal(a, b) for a, b in zip(side, first)), "a call on another stream differs"
+
+
+@pytest.mark.parametrize("kernel, dtype", SPLIT_KV)
+def test_decoding_ragged_caches_of_many_sequences(kernel, dtype):
+    """Many sequences of random lengths (0 to N_max) in one cache: each tile's splits divide its own sequence's
+    keys, so a short sequence's splits are short or empty (L = -inf parts), across 48 * 4 = 192 tiles."""
+    torch.manual_seed(1)
+    B, H_q, H_kv, N_max = 48, 16, 4, 3000
+    q = torch.randn(B, H_q, 1, 64, device="cuda", dtype=DTYPES[dtype])
+    k_cache, v_cache = (torch.randn(B, H_kv, N_max, 64, device="cuda", dtype=DTYPES[dtype]) for _ in range(2))
+    seqlens = torch.randint(0, N_max + 1, (B,), device="cuda", dtype=torch.int32)
+    seqlens[:3] = torch.tensor([0, 1, N_max])
+    o, L = flash_attention_with_kvcache(q, k_cache, v_cache, seqlens, kernel=kernel, return_lse=True)
+    for b, n in enumerate(seqlens.tolist()):
+        if n == 0:  # no key: O = 0 and L = -inf, as FlashAttention
+            assert torch.equal(o[b], torch.zeros_like(o[b])) and bool((L[b] == -math.inf).all()), "an empty cache"
+            continue
+        exact = reference.attention(q[b:b + 1].double(), k_cache[b:b + 1, :, :n].double(),
+                                    v_cache[b:b + 1, :, :n].double(), causal=True)
+        tolerance = 2e-2 if dtype == "bfloat16" else 3e-3
+        assert rel_err(o[b:b + 1], exact) < tolerance, f"sequence {b} ({n} keys): error {rel_err(o[b:b + 1], exact):.1e}"
 
 
 def cache_problem(kernel, dtype, B=3, H_q=8, H_kv=2, N_max=300, N_new=1, d=64):
