@@ -1,0 +1,45 @@
+"""Exercise 09: grouped-query attention, the bottom-right causal mask, and a decoding step's packed rows. Fill in
+the five TODOs; README.md says what each one is for.
+
+Shapes: Q (B, H_q, N_q, d); K, V (B, H_kv, N_k, d), with H_kv dividing H_q: G = H_q // H_kv query heads share
+each key/value head. Everything in float64, softmax scale 1 / sqrt(d).
+"""
+import math
+
+import torch
+
+
+def kv_head(h, H_q, H_kv):
+    """The key/value head that query head h reads."""
+    # TODO 1: consecutive query heads share a key/value head
+    raise NotImplementedError("TODO 1: kv_head")
+
+
+def visible(N_q, N_k):
+    """(N_q, N_k) bool, True where query i may see key j under the causal mask aligned to the bottom right
+    (FlashAttention >= 2.1): the last query sees every key, as the newest token of a decoding step does."""
+    # TODO 2
+    raise NotImplementedError("TODO 2: visible")
+
+
+def attention_gqa(Q, K, V, causal=False):
+    """O (B, H_q, N_q, d) and the natural-log L (B, H_q, N_q): query head h against key/value head
+    kv_head(h, H_q, H_kv). A row that sees no key (causal, N_q > N_k) gets O = 0 and L = -inf."""
+    # TODO 3
+    raise NotImplementedError("TODO 3: attention_gqa")
+
+
+def sum_over_groups(dX, H_kv):
+    """dK or dV of the key/value heads, (B, H_kv, N_k, d), from dX (B, H_q, N_k, d), the gradient each query head
+    sends to the key/value head it reads."""
+    # TODO 4
+    raise NotImplementedError("TODO 4: sum_over_groups")
+
+
+def decode_packed(Q, K, V, causal=False):
+    """attention_gqa's O and L, computed on packed rows as a decoding kernel does: for each sequence and key/value
+    head h_kv, the rows of its G query heads stacked into one (N_q G, d) block of queries, query-major: row x is
+    query x // G of head h_kv G + x % G, so that the G rows of one query sit together (flash.cu packs the other
+    way, head-major: notebook 09, section 5). The head's K and V serve the whole group at once; then unstacked."""
+    # TODO 5
+    raise NotImplementedError("TODO 5: decode_packed")
