@@ -27,17 +27,19 @@ def mask_by_loops(N_q, N_k, shift):
     return torch.tensor([[j > i + shift for j in range(N_k)] for i in range(N_q)])
 
 
-def dense(Q, K, V, causal, kv_of=lambda h, G, H_kv: h // G, shift=None, query_of_row=None):
-    """O and L head by head; kv_of and shift let the causes below replay a mistake."""
+def dense(Q, K, V, causal, kv_of=lambda h, G, H_kv: h // G, hidden_of=None):
+    """O and L head by head. kv_of(h, G, H_kv) and hidden_of(g), the (N_q, N_k) mask of the g-th query head of a
+    group (default: the bottom-right one), let the causes below replay a mistake."""
     B, H_q, N_q, d = Q.shape
     H_kv, N_k = K.shape[1], K.shape[2]
     G = H_q // H_kv
     O, L = torch.zeros_like(Q), torch.full((B, H_q, N_q), -math.inf, dtype=F64)
-    hidden = mask_by_loops(N_q, N_k, N_k - N_q if shift is None else shift)
+    bottom_right = mask_by_loops(N_q, N_k, N_k - N_q)
+    hidden_of = hidden_of or (lambda g: bottom_right)
     for h in range(H_q):
         S = Q[:, h] @ K[:, kv_of(h, G, H_kv)].transpose(-1, -2) / math.sqrt(d)  # (B, N_q, N_k)
         if causal:
-            S = S.masked_fill(hidden if query_of_row is None else query_of_row(h % G, N_q, N_k), -math.inf)
+            S = S.masked_fill(hidden_of(h % G), -math.inf)
         for b in range(B):
             for i in range(N_q):
                 if torch.isfinite(S[b, i]).any():
@@ -58,16 +60,17 @@ def causes_of(O, Q, K, V, causal):
     if not isinstance(O, torch.Tensor) or tuple(O.shape) != tuple(Q.shape):
         return []
     H_q, H_kv, (N_q, N_k) = Q.shape[1], K.shape[1], (Q.shape[2], K.shape[2])
-    found = []
-    if H_kv not in (1, H_q) and matches(torch.nan_to_num(O), dense(Q, K, V, causal, lambda h, G, n: h % n)[0], 1e-9):
+    found, got = [], torch.nan_to_num(O)
+    if H_kv not in (1, H_q) and matches(got, dense(Q, K, V, causal, lambda h, G, n: h % n)[0], 1e-9):
         found.append("query head h reads key/value head h % H_kv (heads interleaved): the G query heads of a group are "
                      "consecutive, so it is h // G")
-    if causal and N_q != N_k and matches(torch.nan_to_num(O), dense(Q, K, V, True, shift=0)[0], 1e-9):
+    top_left = lambda g: mask_by_loops(N_q, N_k, 0)  # noqa: E731
+    if causal and N_q != N_k and matches(got, dense(Q, K, V, True, hidden_of=top_left)[0], 1e-9):
         found.append("the causal mask is aligned to the top left (key j visible for j <= i, as SDPA's is_causal): "
                      "FlashAttention aligns it to the bottom right, j <= i + N_k - N_q")
     if causal and N_q > N_k and torch.isnan(O).any():
         found.append("a row that sees no key is NaN (softmax over all -inf): it must be O = 0 and L = -inf")
-    if causal and matches(torch.nan_to_num(O), dense(Q, K, V, False)[0], 1e-9):
+    if causal and matches(got, dense(Q, K, V, False)[0], 1e-9):
         found.append("the causal mask is missing")
     return found
 
@@ -145,8 +148,8 @@ def test_decode_packed(shape, causal, monkeypatch):
     G = H_q // H_kv
     if isinstance(O, torch.Tensor) and tuple(O.shape) == tuple(Q.shape):
         def masked_as(query_of):  # dense attention with packed row x = n G + g masked as query query_of(x)
-            return dense(Q, K, V, True, query_of_row=lambda g, n_q, n_k: torch.stack(
-                [torch.arange(n_k) > query_of(n * G + g) + n_k - n_q for n in range(n_q)]))[0]
+            return dense(Q, K, V, True, hidden_of=lambda g: torch.stack(
+                [torch.arange(N_k) > query_of(n * G + g) + N_k - N_q for n in range(N_q)]))[0]
         if causal and N_q > 1 and matches(torch.nan_to_num(O), masked_as(lambda x: x), 1e-9):
             causes.append("the causal mask uses the packed row x as the query: row x holds query x // G")
         if causal and N_q > 1 and G > 1 and matches(torch.nan_to_num(O), masked_as(lambda x: x % N_q), 1e-9):

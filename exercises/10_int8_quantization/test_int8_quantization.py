@@ -130,10 +130,11 @@ def attention_causes(O, Q, K, V, signs, smooth, rows):
                           ("rotate Q only", "only Q was rotated: K needs the same R, so that (Q R)(K R)^T = Q K^T"),
                           ("signs on columns", "R = Hadamard diag(signs) (signs on the columns): the rotation is "
                                                "diag(signs) Hadamard, signs on the rows (signs[:, None] * H)"),
-                          ("smooth Q", "Q was smoothed too: subtracting K's mean adds q . mean to a whole row of S, which "
-                                       "the softmax cancels; Q's mean does not cancel"),
+                          ("smooth Q", "Q was smoothed too: subtracting K's mean adds q . mean to a whole row of S, "
+                                       "which the softmax cancels; Q's mean does not cancel"),
                           ("mean over D", "K's mean taken over the D channels of each key: it must be over the keys "
-                                          "(dim -2), one D-vector, so that every score of a row moves by the same amount"),
+                                          "(dim -2), one D-vector, so that every score of a row moves by the same "
+                                          "amount"),
                           ("quantize V", "V was quantized too: the int8 kernel keeps P V in 16 bits (V as given)"),
                           ("no scale", "the softmax scale 1 / sqrt(D) is missing")]:
         if (signs is not None or mistake not in ("rotate V", "rotate Q only", "signs on columns")) and \
