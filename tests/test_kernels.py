@@ -106,6 +106,21 @@ def test_tiles_for_99_kb_of_shared_memory(kernel, dtype, d, monkeypatch):
         check(kernel, q, k, v, do, causal)
 
 
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("d", [32, 64])
+def test_hopper_tiles_of_192_query_rows(dtype, d):
+    """At d <= 64 the hopper forward runs three consumer warpgroups (B_r = 192), except under a causal mask
+    at N_q <= 1024 (B_r = 128): both, on query counts that are no multiple of either, N_q = N_k and not."""
+    if ("hopper", dtype, d) not in CASES:
+        pytest.skip(f"no hopper kernel for {dtype}, d = {d} on this GPU")
+    torch.manual_seed(d)
+    for N_q, N_k, causal in ((2500, 2500, True), (1025, 3001, True), (1000, 1000, True), (1000, 1000, False),
+                             (300, 2100, False)):
+        q, do = (torch.randn(1, 2, N_q, d, device="cuda", dtype=DTYPES[dtype]) for _ in range(2))
+        k, v = (torch.randn(1, 2, N_k, d, device="cuda", dtype=DTYPES[dtype]) for _ in range(2))
+        check("hopper", q, k, v, do, causal)
+
+
 @pytest.mark.parametrize("shape", [(0, 2, 16, 64), (2, 0, 16, 64), (2, 2, 0, 64)])
 def test_empty_inputs(shape):
     q, k, v = (torch.randn(shape, device="cuda", requires_grad=True) for _ in range(3))
