@@ -2008,33 +2008,30 @@ __device__ inline void wgmma_ss(float (&acc)[n / 8][4], uint64_t a, uint64_t b, 
   if constexpr (n == 128 && !half) WGMMA_SS("128", "bf16", REGS_N128, "%66", "%64, %65, p, 1, 1, %67, %68", ACC_N128);
 }
 
-// O (64, n) += A (64, 16) B (16, n), n = 32, 64 or 128, with A in registers (a: the m16n8k16 A fragment of this
-// warp's 16 rows) and B in shared memory N-major (rows of B contiguous along n: V_j as stored; the last
-// immediate, imm-trans-b = 1, says so).
-template <typename T, int n>
-__device__ inline void wgmma_m64nNk16_rs(float (&acc)[n / 8][4], const uint32_t (&a)[4], uint64_t b) {
-#define WGMMA_RS(N, TY, REGS, OPS, ACC) asm volatile("wgmma.mma_async.sync.aligned.m64n" N "k16.f32." TY "." TY " " \
-                                                     REGS ", " OPS ", 1, 1, 1, 1;"                                   \
-                                                     : ACC : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b))
+// C (64, n) += A (64, 16) B (16, n), n = 32, 64 or 128, or C = A B when accumulate is false, with A in registers
+// (a: the m16n8k16 A fragment of this warp's 16 rows) and B in shared memory: N-major by default (trans_b = 1: rows
+// of B contiguous along n, V_j as stored, for O_i += P_ij V_j), or K-major (trans_b = 0: contiguous along k, Q_i and
+// dO_i as stored, for S_ij^T = K_j Q_i^T in the backward).
+template <typename T, int n, int trans_b = 1>
+__device__ inline void wgmma_m64nNk16_rs(float (&acc)[n / 8][4], const uint32_t (&a)[4], uint64_t b,
+                                         bool accumulate = true) {
+#define WGMMA_RS(N, TY, REGS, ACCUMULATE, OPS, ACC)                                                        \
+  asm volatile("{ .reg .pred p; setp.ne.b32 p, " ACCUMULATE ", 0; wgmma.mma_async.sync.aligned.m64n" N     \
+               "k16.f32." TY "." TY " " REGS ", " OPS "; }"                                                \
+               : ACC : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(int(accumulate)), "n"(trans_b))
   constexpr bool half = std::is_same_v<T, __half>;
-  if constexpr (n == 32 && half) WGMMA_RS("32", "f16", REGS_N32, "{%16, %17, %18, %19}, %20", ACC_N32);
-  if constexpr (n == 32 && !half) WGMMA_RS("32", "bf16", REGS_N32, "{%16, %17, %18, %19}, %20", ACC_N32);
-  if constexpr (n == 64 && half) WGMMA_RS("64", "f16", REGS_N64, "{%32, %33, %34, %35}, %36", ACC_N64);
-  if constexpr (n == 64 && !half) WGMMA_RS("64", "bf16", REGS_N64, "{%32, %33, %34, %35}, %36", ACC_N64);
-  if constexpr (n == 128 && half) WGMMA_RS("128", "f16", REGS_N128, "{%64, %65, %66, %67}, %68", ACC_N128);
-  if constexpr (n == 128 && !half) WGMMA_RS("128", "bf16", REGS_N128, "{%64, %65, %66, %67}, %68", ACC_N128);
-}
-
-// S (64, 64) = A (64, 16) B (16, 64), or S += A B when accumulate, with A in registers (as above) and B in shared
-// memory K-major (contiguous along k: Q_i and dO_i as stored, for S_ij^T = K_j Q_i^T; imm-trans-b = 0).
-template <typename T>
-__device__ inline void wgmma_m64n64k16_rs_k_major(float (&acc)[8][4], const uint32_t (&a)[4], uint64_t b,
-                                                  bool accumulate) {
-#define WGMMA_RS_K(TY) asm volatile("{ .reg .pred p; setp.ne.b32 p, %37, 0; wgmma.mma_async.sync.aligned.m64n64k16.f32." \
-                                    TY "." TY " " REGS_N64 ", {%32, %33, %34, %35}, %36, p, 1, 1, 0; }"                   \
-                                    : ACC_N64 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(int(accumulate)))
-  if constexpr (std::is_same_v<T, __half>) WGMMA_RS_K("f16");
-  else WGMMA_RS_K("bf16");
+  if constexpr (n == 32 && half)
+    WGMMA_RS("32", "f16", REGS_N32, "%21", "{%16, %17, %18, %19}, %20, p, 1, 1, %22", ACC_N32);
+  if constexpr (n == 32 && !half)
+    WGMMA_RS("32", "bf16", REGS_N32, "%21", "{%16, %17, %18, %19}, %20, p, 1, 1, %22", ACC_N32);
+  if constexpr (n == 64 && half)
+    WGMMA_RS("64", "f16", REGS_N64, "%37", "{%32, %33, %34, %35}, %36, p, 1, 1, %38", ACC_N64);
+  if constexpr (n == 64 && !half)
+    WGMMA_RS("64", "bf16", REGS_N64, "%37", "{%32, %33, %34, %35}, %36, p, 1, 1, %38", ACC_N64);
+  if constexpr (n == 128 && half)
+    WGMMA_RS("128", "f16", REGS_N128, "%69", "{%64, %65, %66, %67}, %68, p, 1, 1, %70", ACC_N128);
+  if constexpr (n == 128 && !half)
+    WGMMA_RS("128", "bf16", REGS_N128, "%69", "{%64, %65, %66, %67}, %68, p, 1, 1, %70", ACC_N128);
 }
 
 // Columns c .. c+n-1 of a B operand that is N-major (V_j, dO_i, Q_i, K_j as stored, for products with n = d or
@@ -2453,14 +2450,14 @@ flash_bwd_hopper(const __grid_constant__ CUtensorMap Q_map, const __grid_constan
       wgmma_fence();  // S and dP were last used by ordinary instructions (see the loop below)
       for (int kk = 0; kk < d / 16; kk++)  // (K_frag, V_frag: one panel, NQ = B_r = 64)
         if constexpr (KV_in_registers)
-          wgmma_m64n64k16_rs_k_major<T>(S, K_frag[kk], smem_desc(Q_s(s) + kk * 32, 0), kk > 0);
+          wgmma_m64nNk16_rs<T, 64, 0>(S, K_frag[kk], smem_desc(Q_s(s) + kk * 32, 0), kk > 0);
         else
           wgmma_ss<T, NQ>(S, smem_desc(K + kk / 4 * B_c * 128 + key0 * 128 + kk % 4 * 32, 0),
                           smem_desc(Q_s(s) + kk / 4 * B_r * 128 + q0 * 128 + kk % 4 * 32, 0), kk > 0);
       wgmma_commit();
       for (int kk = 0; kk < d / 16; kk++)
         if constexpr (KV_in_registers)
-          wgmma_m64n64k16_rs_k_major<T>(dP, V_frag[kk], smem_desc(dO_s(s) + kk * 32, 0), kk > 0);
+          wgmma_m64nNk16_rs<T, 64, 0>(dP, V_frag[kk], smem_desc(dO_s(s) + kk * 32, 0), kk > 0);
         else
           wgmma_ss<T, NQ>(dP, smem_desc(V + kk / 4 * B_c * 128 + key0 * 128 + kk % 4 * 32, 0),
                           smem_desc(dO_s(s) + kk / 4 * B_r * 128 + q0 * 128 + kk % 4 * 32, 0), kk > 0);
