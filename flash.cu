@@ -2123,10 +2123,10 @@ __device__ void forward_schedule(int wg, int n_blocks, float (&S)[S_tiles][4], f
 }
 
 // fp16/bf16 forward on Hopper (sm_90a): FlashAttention-2's Algorithm 1 with FlashAttention-3's machinery.
-// Grid (T_r, H_q, B); 1 + NWG warpgroups (NWG = 3 at d <= 64, else 2: see fwd_hopper); B_r = 64*NWG, B_c = 128 (64
-// past d = 128). Warpgroup 0 is the producer: one of its
-// threads issues every TMA load. Warpgroup c = 1..NWG is a consumer owning rows 64(c-1) .. 64c-1 of Q_i,
-// S_ij and O_i; per block j it computes, with the m16n8 fragments of the Ampere kernel in each warp:
+// Grid (T_r, H_q, B); 1 + NWG warpgroups (NWG = 3 at d <= 64, else 2: see fwd_hopper); B_r = 64*NWG, B_c = 128
+// (64 past d = 128). Warpgroup 0 is the producer: one of its threads issues every TMA load. Warpgroup c = 1..NWG
+// is a consumer owning rows 64(c-1) .. 64c-1 of Q_i, S_ij and O_i; per block j it computes, with the m16n8
+// fragments of the Ampere kernel in each warp:
 //   S_ij (64, B_c)  = Q_i (64, d) K_j^T (d, B_c)    d/16 wgmma m64n128k16, A and B from shared memory
 //   O_i  (64, d)   += P_ij (64, B_c) V_j (B_c, d)   B_c/16 wgmma m64n{d}k16 (in pieces), A (P_ij) from registers
 // Three kinds of waiting keep the tensor cores busy:
@@ -3216,8 +3216,8 @@ void fwd_hopper(const at::Tensor& Q, const at::Tensor& K, const at::Tensor& V, a
   // d <= 64: three consumers (B_r = 192, 160 registers each), as FlashAttention-3: each K_j, V_j tile then serves
   // 192 query rows instead of 128, and the SM has 12 consumer warps instead of 8 to issue from while others wait.
   // 1.05-1.17x the two-consumer kernel at N >= 4096 on an H100. A causal mask (or a window) at N_q <= 1024 keeps
-  // two (0.92x there with three): its half-hidden diagonal blocks are a large share of the work, and 192 rows hold
-  // more of them.
+  // two (0.92x there with three; likely because the half-hidden diagonal blocks are a large share of such short
+  // rows, and a 192-row tile meets two of them where a 128-row tile meets one).
   constexpr int B_r = 64 * NWG, B_c = d <= 128 ? 128 : 64, STAGES = d <= 192 ? 3 : 2;
   const int N_q = sc.mask.N_q;  // (a packed batch: the longest sequence's)
   if constexpr (NWG == 3)
