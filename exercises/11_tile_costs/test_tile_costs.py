@@ -10,10 +10,17 @@ from _grading import load_answer  # noqa: E402
 
 ans = load_answer(__file__)
 
-# One H100 run (notebook 08, section 5): bf16, d = 128, H = 16, B = 16384 / N: 2048 tiles of B_r = 128, 16 rounds
-FORWARD = {"hopper": {1024: 0.2737, 4096: 0.9447, 16384: 3.6043}, "cuDNN": {1024: 0.2284, 4096: 0.9055, 16384: 3.5596}}
-# Decoding (notebook 09, section 7): fp16, B = 32, H_kv = 32, one split, 8 rounds, key blocks of 64, in us
-DECODE = {"ours": {4096: 717.44, 32768: 5508.32, 131072: 22022.64}, "SDPA": {4096: 708.35, 32768: 5585.92, 131072: 22127.49}}
+# Two H100 runs, in ms: the forward (notebook 08, section 5; bf16, d = 128, H = 16, B = 16384 / N: 2048 tiles of
+# B_r = 128, 16 rounds, key blocks of 128) and decoding (notebook 09, section 7; fp16, B = 32, H_kv = 32, one split,
+# 8 rounds, key blocks of 64). The first two lengths are fitted, the third predicted.
+RUNS = {
+    "forward": dict(rounds=16, block=128, lengths=(4096, 16384, 1024),
+                    ms={"hopper": {1024: 0.2737, 4096: 0.9447, 16384: 3.6043},
+                        "cuDNN": {1024: 0.2284, 4096: 0.9055, 16384: 3.5596}}),
+    "decode": dict(rounds=8, block=64, lengths=(4096, 32768, 131072),
+                   ms={"ours": {4096: 0.71744, 32768: 5.50832, 131072: 22.02264},
+                       "SDPA": {4096: 0.70835, 32768: 5.58592, 131072: 22.12749}}),
+}
 FLOP_PER_BLOCK = 4 * 128 * 128 * 128
 
 
@@ -55,12 +62,19 @@ def test_rounds():
         raise AssertionError(f"rounds({tiles}, {slots}): expected {expected}, got {got!r}. " + " ".join(hints))
 
 
-@pytest.mark.parametrize("run, n_rounds, first, second", [("forward", 16, 4096, 16384), ("decode", 8, 4096, 32768)])
-def test_fit_on_the_measured_runs(run, n_rounds, first, second):
-    data, per_block = (FORWARD, 128) if run == "forward" else (DECODE, 64)
-    for system, times in data.items():
-        to_ms = (lambda v: v) if run == "forward" else (lambda v: v / 1000)
-        args = (first // per_block, to_ms(times[first]), second // per_block, to_ms(times[second]), n_rounds)
+def launches(run):
+    """(system, the arguments of fit_tile_cost, T_c of the third length, its measured ms) for each system of a run."""
+    r = RUNS[run]
+    first, second, third = r["lengths"]
+    for system, ms in r["ms"].items():
+        yield system, (first // r["block"], ms[first], second // r["block"], ms[second], r["rounds"]), \
+            third // r["block"], ms[third]
+
+
+@pytest.mark.parametrize("run", RUNS)
+def test_fit_on_the_measured_runs(run):
+    for system, args, _, _ in launches(run):
+        n_rounds = args[4]
         x, y = reference_fit(*args)
         got = ans.fit_tile_cost(*args)
         if isinstance(got, tuple) and len(got) == 2 and close(got[0], x) and close(got[1], y):
@@ -74,31 +88,27 @@ def test_fit_on_the_measured_runs(run, n_rounds, first, second):
                 hints.append(f"not divided by the {n_rounds} rounds: x and y are one tile's costs")
             if close(gx, x / 1000) and close(gy, y / 1000):
                 hints.append("in milliseconds: x and y are wanted in microseconds")
-            y_naive = 1000 * args[3] / n_rounds / args[2]
-            if close(gy, y_naive):
+            if close(gy, 1000 * args[3] / n_rounds / args[2]):
                 hints.append("y from one launch alone (t / T_c) counts the fixed cost into y: use the difference")
         raise AssertionError(f"{run}, {system}: fit_tile_cost{args}: expected (x, y) = ({x:.4f}, {y:.4f}) us, "
                              f"got {got!r}. " + " ".join(hints))
 
 
-@pytest.mark.parametrize("run, n_rounds, first, second, third", [("forward", 16, 4096, 16384, 1024),
-                                                                 ("decode", 8, 4096, 32768, 131072)])
-def test_prediction_of_the_third_length(run, n_rounds, first, second, third):
-    data, per_block = (FORWARD, 128) if run == "forward" else (DECODE, 64)
-    to_ms = (lambda v: v) if run == "forward" else (lambda v: v / 1000)
-    for system, times in data.items():
-        x, y = reference_fit(first // per_block, to_ms(times[first]), second // per_block, to_ms(times[second]), n_rounds)
-        expected = n_rounds * (x + y * (third // per_block)) / 1000
-        got = ans.predict_ms(x, y, third // per_block, n_rounds)
+@pytest.mark.parametrize("run", RUNS)
+def test_prediction_of_the_third_length(run):
+    for system, args, T_c, measured in launches(run):
+        n_rounds = args[4]
+        x, y = reference_fit(*args)
+        expected = n_rounds * (x + y * T_c) / 1000
+        got = ans.predict_ms(x, y, T_c, n_rounds)
         hints = []
         if close(got, expected / n_rounds):
             hints.append("one round only: multiply by the rounds")
         if close(got, expected * 1000):
             hints.append("in microseconds: predict_ms returns milliseconds")
-        assert close(got, expected), (f"{run}, {system}: predict_ms({x:.4f}, {y:.4f}, {third // per_block}, "
-                                      f"{n_rounds}): expected {expected:.6f} ms, got {got!r}. " + " ".join(hints))
-        # and the model agrees with the measurement of the third length within 6 %
-        assert abs(expected / to_ms(times[third]) - 1) < 0.06
+        assert close(got, expected), (f"{run}, {system}: predict_ms({x:.4f}, {y:.4f}, {T_c}, {n_rounds}): expected "
+                                      f"{expected:.6f} ms, got {got!r}. " + " ".join(hints))
+        assert abs(expected / measured - 1) < 0.06  # and the model agrees with the third length within 6 %
 
 
 def test_steady_rate():
@@ -111,7 +121,7 @@ def test_steady_rate():
             hints.append("per microsecond: the rate is per second")
         assert close(got, expected), f"steady_rate({y}, {work:g}, {slots}): expected {expected:.6g}, got {got!r}. " + \
             " ".join(hints)
-    x, y = reference_fit(32, 0.9447, 128, 3.6043, 16)
+    x, y = reference_fit(*next(launches("forward"))[1])  # our forward's
     assert 630e12 < ans.steady_rate(y, FLOP_PER_BLOCK, 132) < 645e12  # FlashAttention-3's 638-648 TFLOP/s
 
 
