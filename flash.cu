@@ -888,20 +888,30 @@ __device__ void exp_and_pack(uint32_t& row_g, uint32_t& row_g8, const float (&s)
   if (DROPOUT) row_g &= Dropout::packed(kept, 0), row_g8 &= Dropout::packed(kept, 1);
 }
 
-// l.12-15: O_i / l_i into O as T, and L_i = m_i + log(l_i) in natural-log units. (dropout: O_i summed the kept
-// entries of P_ij unscaled, so O_i / l_i is multiplied by their factor 1 / (1 - p) here, once per row.)
+// l.12-15's rows r and r + 8 finished: l_i summed over the 4 lanes of the row's quad, L_i = m_i + log(l_i) (in
+// natural-log units) written below row N, and O_i's factor 1 / l_i returned. (dropout: O_i summed the kept entries
+// of P_ij unscaled, so the factor is also their 1 / (1 - p), once per row.)
+__device__ float2 finish_rows(const float (&m_i)[2], float (&l_i)[2], float* L, int r, int t, int N,
+                              float dropout_scale) {
+  float f[2];
+  for (int h = 0; h < 2; h++) {
+    l_i[h] += __shfl_xor_sync(~0u, l_i[h], 1);
+    l_i[h] += __shfl_xor_sync(~0u, l_i[h], 2);
+    f[h] = DROPOUT ? inverse(l_i[h]) * dropout_scale : inverse(l_i[h]);
+    if (t == 0 && r + 8 * h < N) L[r + 8 * h] = log_sum_exp(m_i[h], l_i[h]);
+  }
+  return {f[0], f[1]};
+}
+// l.12-15: O_i / l_i into O as T (the rows below N), and L_i.
 template <typename T, int d>
 __device__ void write_O_L(const float (&O_i)[d / 8][4], const float (&m_i)[2], float (&l_i)[2], Rows<T> O, float* L,
                           int r, int t, int N, float dropout_scale = 1.f) {
-  for (int h = 0; h < 2; h++) {
-    l_i[h] += __shfl_xor_sync(~0u, l_i[h], 1);  // the row's sum over the 4 lanes of its quad
-    l_i[h] += __shfl_xor_sync(~0u, l_i[h], 2);
-    if (r + 8 * h >= N) continue;
-    const float f = DROPOUT ? inverse(l_i[h]) * dropout_scale : inverse(l_i[h]);
-    for (int nt = 0; nt < d / 8; nt++)
-      *reinterpret_cast<uint32_t*>(O.at(r + 8 * h) + 8 * nt + 2 * t) = pack<T>(f * O_i[nt][2 * h], f * O_i[nt][2 * h + 1]);
-    if (t == 0) L[r + 8 * h] = log_sum_exp(m_i[h], l_i[h]);
-  }
+  const float2 f = finish_rows(m_i, l_i, L, r, t, N, dropout_scale);
+  for (int h = 0; h < 2; h++)
+    if (r + 8 * h < N)
+      for (int nt = 0; nt < d / 8; nt++)
+        *reinterpret_cast<uint32_t*>(O.at(r + 8 * h) + 8 * nt + 2 * t) =
+            pack<T>((h ? f.y : f.x) * O_i[nt][2 * h], (h ? f.y : f.x) * O_i[nt][2 * h + 1]);
 }
 
 // Rows r and r + 8 of a (16, d) block of m16n8 accumulators, times f, into the row-major X as T: the rows
@@ -1882,7 +1892,9 @@ flash_decode(Rows<const T> Q, Rows<const T> K, Rows<const T> V, Rows<T> O, float
 // - TMA (the tensor memory accelerator) copies a whole tile from global to shared memory by itself: one
 //   thread issues cp.async.bulk.tensor with a tensor map (built on the host: the tensor's shape and
 //   strides, the box to copy, the swizzle), and the copy counts its bytes down on an mbarrier in shared
-//   memory; threads that need the tile wait on that barrier. Rows past N arrive as zeros.
+//   memory; threads that need the tile wait on that barrier. Rows past N arrive as zeros. The other way
+//   (cp.async.bulk.tensor from shared to global), the kernels write their outputs O_i, dK_j and dV_j: whole
+//   128-byte rows, where each store instruction from the accumulators' registers writes 16 bytes of 8 rows.
 // - wgmma: a warpgroup (4 consecutive warps, 128 threads) computes a 64 x n x 16 product in one
 //   asynchronous instruction, reading B, and A if it is not in registers, from shared memory through a
 //   64-bit descriptor. Warp w of the group holds rows 16w .. 16w+15 of the fp32 result in the m16n8
@@ -1940,10 +1952,16 @@ __device__ inline void tma_load(uint32_t dst, const CUtensorMap& map, int col, S
                ::"r"(dst), "l"(reinterpret_cast<uint64_t>(&map)), "r"(col), "r"(seq.first + row), "r"(h), "r"(seq.b),
                "r"(bar) : "memory");
 }
-// The other way, adding: for (r, c) in the map's box (rows, 32) of fp32, X[b][h][first + row + r][col + c] +=
-// src[swizzled (r, c)], rows past the map's dropped. The reduction runs on its own: commit_group closes a group
-// of them, and wait_group.read n waits until at most n groups are still reading shared memory (wait_group n:
-// until they have finished writing).
+// The other way: for (r, c) in the map's box, X[b][h][first + row + r][col + c] = src[swizzled (r, c)], rows and
+// columns past the map's dropped. The copy runs on its own: commit_group closes a group of them, and
+// wait_group.read n waits until at most n groups are still reading shared memory (wait_group n: until they have
+// finished writing).
+__device__ inline void tma_store(uint32_t src, const CUtensorMap& map, int col, Sequence seq, int row, int h) {
+  asm volatile("cp.async.bulk.tensor.4d.global.shared::cta.bulk_group [%0, {%1, %2, %3, %4}], [%5];"
+               ::"l"(reinterpret_cast<uint64_t>(&map)), "r"(col), "r"(seq.first + row), "r"(h), "r"(seq.b), "r"(src)
+               : "memory");
+}
+// The same, adding (the map's box (rows, 32) of fp32): X[b][h][first + row + r][col + c] += src[swizzled (r, c)].
 __device__ inline void tma_reduce_add(uint32_t src, const CUtensorMap& map, int col, Sequence seq, int row, int h) {
   asm volatile("cp.reduce.async.bulk.tensor.4d.global.shared::cta.add.tile.bulk_group [%0, {%1, %2, %3, %4}], [%5];"
                ::"l"(reinterpret_cast<uint64_t>(&map)), "r"(col), "r"(seq.first + row), "r"(h), "r"(seq.b), "r"(src)
@@ -2122,6 +2140,23 @@ __device__ void forward_schedule(int wg, int n_blocks, float (&S)[S_tiles][4], f
   wgmma_wait<0>(O_i);
 }
 
+// A warp's (16, n) block of fp32 m16n8 accumulators X, times f (f.x in row `row`, f.y in row + 8), as T into
+// columns c0 .. c0+n-1 of a tile in panels of 64 columns panel_bytes apart (128-byte rows, the 128-byte swizzle:
+// TMA's layout of a 16-bit box), this lane's rows being row and row + 8 (row % 8 = g): tile nt, element e goes to
+// row row + 8(e / 2), column x = c0 + 8nt + 2t, +1: panel x / 64, 16-byte piece p = x % 64 / 8, which the swizzle
+// moves to piece p ^ g.
+template <typename T, int n>
+__device__ void store_panels(uint32_t tile, uint32_t panel_bytes, const float (&X)[n / 8][4], int row, int c0, int g,
+                             int t, float2 f = {1.f, 1.f}) {
+  for (int nt = 0; nt < n / 8; nt++)
+    for (int h = 0; h < 2; h++) {
+      const int x = c0 + 8 * nt + 2 * t;
+      asm volatile("st.shared.u32 [%0], %1;"
+                   ::"r"(tile + x / 64 * panel_bytes + (row + 8 * h) * 128 + ((x % 64 / 8) ^ g) * 16 + x % 8 * 2),
+                   "r"(pack<T>((h ? f.y : f.x) * X[nt][2 * h], (h ? f.y : f.x) * X[nt][2 * h + 1])) : "memory");
+    }
+}
+
 // fp16/bf16 forward on Hopper (sm_90a): FlashAttention-2's Algorithm 1 with FlashAttention-3's machinery.
 // Grid (T_r, H_q, B); 1 + NWG warpgroups (NWG = 3 at d <= 64, else 2: see fwd_hopper); B_r = 64*NWG, B_c = 128
 // (64 past d = 128). Warpgroup 0 is the producer: one of its threads issues every TMA load. Warpgroup c = 1..NWG
@@ -2145,7 +2180,8 @@ __device__ void forward_schedule(int wg, int n_blocks, float (&S)[S_tiles][4], f
 template <typename T, int d, int NWG, int B_c, int STAGES>
 __global__ void __launch_bounds__(128 * (NWG + 1), 1)
 flash_fwd_hopper(const __grid_constant__ CUtensorMap Q_map, const __grid_constant__ CUtensorMap K_map,
-                 const __grid_constant__ CUtensorMap V_map, Rows<T> O, float* __restrict__ L, Scores sc, int group) {
+                 const __grid_constant__ CUtensorMap V_map, const __grid_constant__ CUtensorMap O_map, Rows<T> O,
+                 float* __restrict__ L, Scores sc, int group) {
 #if SM90A
   constexpr int B_r = 64 * NWG;
   static_assert(B_c == 64 || B_c == 128, "S_ij is one wgmma m64n{B_c}k16 per k slice");
@@ -2249,25 +2285,32 @@ flash_fwd_hopper(const __grid_constant__ CUtensorMap Q_map, const __grid_constan
     mbar_wait(Q_full, 0);
     forward_schedule<NWG, STAGES>(wg, n_blocks, S, O_i, full, empty, [](int) {}, issue_S, issue_PV, softmax, to_P,
                                   [&] { rescale_O<d>(O_i, alpha); });
-    write_O_L<T, d>(O_i, m_i, l_i, O.head(), L + mask.row_index(), r, t, mask.N_q, sc.dropout.scale);  // l.12-15
+    // l.12-15, O_i / l_i through shared memory: into this warpgroup's rows of Q_i's panels (only its own products
+    // read them, and they are done), then by TMA, which writes whole 128-byte rows where write_O_L's stores write
+    // 16 bytes into each of 8 rows. A tile that runs past its sequence in a packed batch would overwrite the next
+    // sequence's rows: it keeps write_O_L.
+    const int wg_row0 = row0 + 64 * (wg - 1);
+    if (PACKED && wg_row0 + 64 > mask.N_q) {
+      write_O_L<T, d>(O_i, m_i, l_i, O.head(), L + mask.row_index(), r, t, mask.N_q, sc.dropout.scale);
+    } else {
+      const float2 f = finish_rows(m_i, l_i, L + mask.row_index(), r, t, mask.N_q, sc.dropout.scale);
+      store_panels<T, d>(Q_wg, B_r * 128, O_i, 16 * warp + g, 0, g, t, f);
+      asm volatile("fence.proxy.async.shared::cta;" ::: "memory");  // the stores are visible to TMA
+      asm volatile("bar.sync %0, 128;" ::"r"(NWG + wg) : "memory");   // this warpgroup's 64 rows are all stored
+      if (threadIdx.x % 128 == 0) {
+        for (int c = 0; c < panels(d); c++)
+          tma_store(Q_wg + c * B_r * 128, O_map, 64 * c, Sequence(mask.cu_q), wg_row0, blockIdx.y);
+        asm volatile("cp.async.bulk.commit_group;" ::: "memory");
+        asm volatile("cp.async.bulk.wait_group.read 0;" ::: "memory");  // shared memory stays until TMA has read it
+      }
+    }
   }
 #endif
 }
 
-// A warp's (16, n) block of fp32 m16n8 accumulators X as T into columns c0 .. c0+n-1 (c0 + n <= 64) of a panel
-// of 128-byte rows with the 128-byte swizzle, this lane's rows being row and row + 8 (row % 8 = g): tile nt,
-// element e goes to row row + 8(e / 2), columns c0 + 8nt + 2t, +1, in 16-byte piece p = c0/8 + nt, which the
-// swizzle moves to piece p ^ g.
-template <typename T, int n>
-__device__ void store_panel(uint32_t panel, const float (&X)[n / 8][4], int row, int c0, int g, int t) {
-  for (int nt = 0; nt < n / 8; nt++)
-    for (int h = 0; h < 2; h++)
-      asm volatile("st.shared.u32 [%0], %1;" ::"r"(panel + (row + 8 * h) * 128 + ((c0 / 8 + nt) ^ g) * 16 + 4 * t),
-                   "r"(pack<T>(X[nt][2 * h], X[nt][2 * h + 1])) : "memory");
-}
-// The same for fp32, times `factor`, into columns c0 .. c0+n-1 of a (rows, n) tile in panels of 32 columns (128-byte
-// rows, the 128-byte swizzle: TMA's layout of an fp32 box), panel_bytes apart: column x is panel x / 32, 16-byte
-// piece x % 32 / 4, which the swizzle moves to piece (x % 32 / 4) ^ g.
+// store_panels for fp32, times `factor`, into columns c0 .. c0+n-1 of a (rows, n) tile in panels of 32 columns
+// (128-byte rows, the 128-byte swizzle: TMA's layout of an fp32 box), panel_bytes apart: column x is panel x / 32,
+// 16-byte piece x % 32 / 4, which the swizzle moves to piece (x % 32 / 4) ^ g.
 template <int n>
 __device__ void store_panels_fp32(uint32_t tile, uint32_t panel_bytes, const float (&X)[n / 8][4], float factor, int row,
                                   int c0, int g, int t) {
@@ -2337,9 +2380,9 @@ template <typename T, int d, int B_c, int STAGES>
 __global__ void __launch_bounds__(384, 1)
 flash_bwd_hopper(const __grid_constant__ CUtensorMap Q_map, const __grid_constant__ CUtensorMap K_map,
                  const __grid_constant__ CUtensorMap V_map, const __grid_constant__ CUtensorMap dO_map,
-                 const __grid_constant__ CUtensorMap dQ_map, const float* __restrict__ L, const float* __restrict__ D,
-                 float* __restrict__ dQ, Rows<T> dK,
-                 Rows<T> dV, Scores sc, int group, float scale) {
+                 const __grid_constant__ CUtensorMap dQ_map, const __grid_constant__ CUtensorMap dK_map,
+                 const __grid_constant__ CUtensorMap dV_map, const float* __restrict__ L, const float* __restrict__ D,
+                 float* __restrict__ dQ, Rows<T> dK, Rows<T> dV, Scores sc, int group, float scale) {
 #if SM90A
   constexpr bool split_keys = B_c == 128;  // the consumers split the keys (else the columns: see above)
   static_assert(split_keys ? d <= 128 : B_c == 64, "B_c = 128 up to d = 128, else 64");
@@ -2572,8 +2615,8 @@ flash_bwd_hopper(const __grid_constant__ CUtensorMap Q_map, const __grid_constan
       if constexpr (P_in_registers(d))
         to_A_fragments<T, NQ>(P_frag, S), to_A_fragments<T, NQ>(dS_frag, dP);
       else
-        store_panel<T, NQ>(P_s(i), S, key0 + 16 * warp + g, q0, g, t);
-      store_panel<T, NQ>(dS_s(i), dP, key0 + 16 * warp + g, q0, g, t);
+        store_panels<T, NQ>(P_s(i), 0, S, key0 + 16 * warp + g, q0, g, t);
+      store_panels<T, NQ>(dS_s(i), 0, dP, key0 + 16 * warp + g, q0, g, t);
       asm volatile("fence.proxy.async.shared::cta;" ::: "memory");  // the stores are visible to wgmma
       asm volatile("bar.sync 1, 256;" ::: "memory");  // both consumers have stored dS_ij^T
       if (!DETERMINISTIC) dQ_piece(i);  // (else dQ comes from flash_bwd_dq_ampere)
@@ -2602,8 +2645,26 @@ flash_bwd_hopper(const __grid_constant__ CUtensorMap Q_map, const __grid_constan
     issue_dV_dK(i_end - 1);
     wgmma_wait<0>(dV_j, dK_j);
     release(i_end - 1);
-    store_rows<T, ND>(dK.head().cols(n0), dK_j, c, t, N_k, dS_scale);          // l.18: write dK_j, dV_j
-    store_rows<T, ND>(dV.head().cols(n0), dV_j, c, t, N_k, dropout_scale);
+    // l.18: write dK_j, dV_j, through shared memory where K_j and V_j were, then by TMA in whole 128-byte rows (as
+    // the forward's O_i). A key block that runs past its sequence in a packed batch keeps direct stores.
+    if (PACKED && col0 + B_c > N_k) {
+      store_rows<T, ND>(dK.head().cols(n0), dK_j, c, t, N_k, dS_scale);
+      store_rows<T, ND>(dV.head().cols(n0), dV_j, c, t, N_k, dropout_scale);
+    } else {
+      asm volatile("bar.sync 1, 256;" ::: "memory");  // both consumers' products, the last to read K_j, V_j, are done
+      store_panels<T, ND>(K_s, B_c * 128, dK_j, key0 + 16 * warp + g, n0, g, t, {dS_scale, dS_scale});
+      store_panels<T, ND>(V_s, B_c * 128, dV_j, key0 + 16 * warp + g, n0, g, t, {dropout_scale, dropout_scale});
+      asm volatile("fence.proxy.async.shared::cta;" ::: "memory");  // the stores are visible to TMA
+      asm volatile("bar.sync 1, 256;" ::: "memory");                // both consumers' parts are stored
+      if (threadIdx.x == 128) {
+        for (int p = 0; p < panels(d); p++) {
+          tma_store(K_s + p * B_c * 128, dK_map, 64 * p, Sequence(mask.cu_k), col0, blockIdx.y);
+          tma_store(V_s + p * B_c * 128, dV_map, 64 * p, Sequence(mask.cu_k), col0, blockIdx.y);
+        }
+        asm volatile("cp.async.bulk.commit_group;" ::: "memory");
+        asm volatile("cp.async.bulk.wait_group.read 0;" ::: "memory");  // shared memory stays until TMA has read it
+      }
+    }
   }
 #endif
 }
@@ -3226,8 +3287,8 @@ void fwd_hopper(const at::Tensor& Q, const at::Tensor& K, const at::Tensor& V, a
   // the tiles to 1024 bytes
   const size_t smem = (B_r + 2 * STAGES * B_c) * 128 * panels(d) + 8 * (1 + 2 * STAGES) + 1024;
   launch(flash_fwd_hopper<T, d, NWG, B_c, STAGES>, grid((N_q + B_r - 1) / B_r, Q, sc), 128 * (NWG + 1), smem, stream,
-         tensor_map(Q, B_r), tensor_map(K, B_c), tensor_map(V, B_c), rows<T>(O, sc.mask.cu_q), ptr<float>(L), sc,
-         group(Q, K));
+         tensor_map(Q, B_r), tensor_map(K, B_c), tensor_map(V, B_c), tensor_map(O, 64), rows<T>(O, sc.mask.cu_q),
+         ptr<float>(L), sc, group(Q, K));
 }
 
 template <typename T, int d>
@@ -3245,8 +3306,9 @@ void bwd_hopper(const at::Tensor& Q, const at::Tensor& K, const at::Tensor& V, c
                       sizeof(T) * (P_in_registers(d) ? 2 : 4) * B_c * B_r + (dQ_staged(d) ? B_r * d * 4 : 0) +
                       STAGES * 2 * B_r * 4 + 8 * (1 + 2 * STAGES) + 1024;
   launch(flash_bwd_hopper<T, d, B_c, STAGES>, grid((N_k + B_c - 1) / B_c, Q, sc), 384, smem, stream, tensor_map(Q, B_r),
-         tensor_map(K, B_c), tensor_map(V, B_c), tensor_map(dO, B_r), tensor_map(dQ, B_r), ptr<float>(L), ptr<float>(D),
-         ptr<float>(dQ), rows<T>(dK, sc.mask.cu_k), rows<T>(dV, sc.mask.cu_k), sc, group(Q, K), scale);
+         tensor_map(K, B_c), tensor_map(V, B_c), tensor_map(dO, B_r), tensor_map(dQ, B_r), tensor_map(dK, B_c),
+         tensor_map(dV, B_c), ptr<float>(L), ptr<float>(D), ptr<float>(dQ), rows<T>(dK, sc.mask.cu_k),
+         rows<T>(dV, sc.mask.cu_k), sc, group(Q, K), scale);
 }
 #define KERNEL "hopper"
 #define HAS_BACKWARD
