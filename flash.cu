@@ -1961,7 +1961,24 @@ __device__ inline void tma_store(uint32_t src, const CUtensorMap& map, int col, 
                ::"l"(reinterpret_cast<uint64_t>(&map)), "r"(col), "r"(seq.first + row), "r"(h), "r"(seq.b), "r"(src)
                : "memory");
 }
-// The same, adding (the map's box (rows, 32) of fp32): X[b][h][first + row + r][col + c] += src[swizzled (r, c)].
+// The end of a kernel that writes its outputs by TMA. Each of the `threads` threads of named barrier `bar` has
+// stored its part of the tiles into shared memory in TMA's layout (store_panels); the stores are made visible to
+// TMA, the barrier waits for all of them, and one thread (`leader`) copies panel p of tile k, at tiles[k] + p *
+// panel_bytes, to columns 64p.. of rows row.. of maps[k], and waits until TMA has read them: the block's shared
+// memory must outlive the reads (the writes to global memory finish on their own).
+template <int n>
+__device__ void tma_store_tiles(const uint32_t (&tiles)[n], const CUtensorMap* const (&maps)[n], int n_panels,
+                                uint32_t panel_bytes, Sequence seq, int row, int h, int bar, int threads, bool leader) {
+  asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+  asm volatile("bar.sync %0, %1;" ::"r"(bar), "r"(threads) : "memory");
+  if (leader) {
+    for (int p = 0; p < n_panels; p++)
+      for (int k = 0; k < n; k++) tma_store(tiles[k] + p * panel_bytes, *maps[k], 64 * p, seq, row, h);
+    asm volatile("cp.async.bulk.commit_group;" ::: "memory");
+    asm volatile("cp.async.bulk.wait_group.read 0;" ::: "memory");
+  }
+}
+// tma_store, adding (the map's box (rows, 32) of fp32): X[b][h][first + row + r][col + c] += src[swizzled (r, c)].
 __device__ inline void tma_reduce_add(uint32_t src, const CUtensorMap& map, int col, Sequence seq, int row, int h) {
   asm volatile("cp.reduce.async.bulk.tensor.4d.global.shared::cta.add.tile.bulk_group [%0, {%1, %2, %3, %4}], [%5];"
                ::"l"(reinterpret_cast<uint64_t>(&map)), "r"(col), "r"(seq.first + row), "r"(h), "r"(seq.b), "r"(src)
@@ -2295,14 +2312,9 @@ flash_fwd_hopper(const __grid_constant__ CUtensorMap Q_map, const __grid_constan
     } else {
       const float2 f = finish_rows(m_i, l_i, L + mask.row_index(), r, t, mask.N_q, sc.dropout.scale);
       store_panels<T, d>(Q_wg, B_r * 128, O_i, 16 * warp + g, 0, g, t, f);
-      asm volatile("fence.proxy.async.shared::cta;" ::: "memory");  // the stores are visible to TMA
-      asm volatile("bar.sync %0, 128;" ::"r"(NWG + wg) : "memory");   // this warpgroup's 64 rows are all stored
-      if (threadIdx.x % 128 == 0) {
-        for (int c = 0; c < panels(d); c++)
-          tma_store(Q_wg + c * B_r * 128, O_map, 64 * c, Sequence(mask.cu_q), wg_row0, blockIdx.y);
-        asm volatile("cp.async.bulk.commit_group;" ::: "memory");
-        asm volatile("cp.async.bulk.wait_group.read 0;" ::: "memory");  // shared memory stays until TMA has read it
-      }
+      // (barrier NWG + wg: this warpgroup's own; 1 .. NWG are forward_schedule's turns)
+      tma_store_tiles({Q_wg}, {&O_map}, panels(d), B_r * 128, Sequence(mask.cu_q), wg_row0, blockIdx.y, NWG + wg,
+                      128, threadIdx.x % 128 == 0);
     }
   }
 #endif
@@ -2654,16 +2666,8 @@ flash_bwd_hopper(const __grid_constant__ CUtensorMap Q_map, const __grid_constan
       asm volatile("bar.sync 1, 256;" ::: "memory");  // both consumers' products, the last to read K_j, V_j, are done
       store_panels<T, ND>(K_s, B_c * 128, dK_j, key0 + 16 * warp + g, n0, g, t, {dS_scale, dS_scale});
       store_panels<T, ND>(V_s, B_c * 128, dV_j, key0 + 16 * warp + g, n0, g, t, {dropout_scale, dropout_scale});
-      asm volatile("fence.proxy.async.shared::cta;" ::: "memory");  // the stores are visible to TMA
-      asm volatile("bar.sync 1, 256;" ::: "memory");                // both consumers' parts are stored
-      if (threadIdx.x == 128) {
-        for (int p = 0; p < panels(d); p++) {
-          tma_store(K_s + p * B_c * 128, dK_map, 64 * p, Sequence(mask.cu_k), col0, blockIdx.y);
-          tma_store(V_s + p * B_c * 128, dV_map, 64 * p, Sequence(mask.cu_k), col0, blockIdx.y);
-        }
-        asm volatile("cp.async.bulk.commit_group;" ::: "memory");
-        asm volatile("cp.async.bulk.wait_group.read 0;" ::: "memory");  // shared memory stays until TMA has read it
-      }
+      tma_store_tiles({K_s, V_s}, {&dK_map, &dV_map}, panels(d), B_c * 128, Sequence(mask.cu_k), col0, blockIdx.y, 1,
+                      256, threadIdx.x == 128);  // (both consumers' parts)
     }
   }
 #endif
