@@ -2605,21 +2605,28 @@ flash_bwd_hopper(const __grid_constant__ CUtensorMap Q_map, const __grid_constan
         }
       }
       wgmma_wait<1>(dP);
+      auto each_entry = [&](auto step) {  // step(nt, e) on every entry, between dropout's zeroing of dP and of P
 #pragma unroll  // (S and dP are indexed by nt and e: a loop left rolled would put them in local memory)
-      for (int nt = 0; nt < NQ / 8; nt++)
+        for (int nt = 0; nt < NQ / 8; nt++)
 #pragma unroll
-        for (int e = 0; e < 4; e++) {
-          if (DROPOUT) drop(dP[nt][e], nt, e);
-          if (sc.plain()) {
-            dP[nt][e] = S[nt][e] * (dP[nt][e] - D_i[q(nt, e)]);
-          } else {
-            const int r = row0 + q(nt, e);
-            sc.probability_and_gradient(S[nt][e], r, c + 8 * (e / 2), slope, L_i[q(nt, e)], dP[nt][e] - D_i[q(nt, e)],
-                                        S[nt][e], dP[nt][e]);
-            if (r >= N_q) S[nt][e] = dP[nt][e] = 0.f;
+          for (int e = 0; e < 4; e++) {
+            if (DROPOUT) drop(dP[nt][e], nt, e);
+            step(nt, e);
+            if (DROPOUT) drop(S[nt][e], nt, e);
           }
-          if (DROPOUT) drop(S[nt][e], nt, e);
-        }
+      };
+      // (sc.plain() is tested outside the loops: inside them, it cut the unrolled loop into one branch per tile nt,
+      // each waiting for its own load of D_i; hoisted, the backward ran 1.06-1.12x faster at d = 64, N >= 4096, on an H100)
+      if (sc.plain()) {
+        each_entry([&](int nt, int e) { dP[nt][e] = S[nt][e] * (dP[nt][e] - D_i[q(nt, e)]); });
+      } else {
+        each_entry([&](int nt, int e) {
+          const int r = row0 + q(nt, e);
+          sc.probability_and_gradient(S[nt][e], r, c + 8 * (e / 2), slope, L_i[q(nt, e)], dP[nt][e] - D_i[q(nt, e)],
+                                      S[nt][e], dP[nt][e]);
+          if (r >= N_q) S[nt][e] = dP[nt][e] = 0.f;
+        });
+      }
     };
     // P_ij^T and dS_ij^T into buffer i % 2 (last read by block i-2's products, done on both consumers), or into
     // the A fragments (block i-1's products, which read them, are done), then dQ_i's piece once they are there
