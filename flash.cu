@@ -2615,8 +2615,9 @@ flash_bwd_hopper(const __grid_constant__ CUtensorMap Q_map, const __grid_constan
             if (DROPOUT) drop(S[nt][e], nt, e);
           }
       };
-      // (sc.plain() is tested outside the loops: inside them, it cut the unrolled loop into one branch per tile nt,
-      // each waiting for its own load of D_i; hoisted, the backward ran 1.06-1.12x faster at d = 64, N >= 4096, on an H100)
+      // (sc.plain() is tested outside the loops: inside them, it cut the unrolled loop into one branch per tile
+      // nt, each waiting for its own load of D_i; hoisted, the backward ran 1.06-1.12x faster at d = 64, N >= 4096,
+      // on an H100)
       if (sc.plain()) {
         each_entry([&](int nt, int e) { dP[nt][e] = S[nt][e] * (dP[nt][e] - D_i[q(nt, e)]); });
       } else {
