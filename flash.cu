@@ -902,27 +902,21 @@ __device__ float2 finish_rows(const float (&m_i)[2], float (&l_i)[2], float* L, 
   }
   return {f[0], f[1]};
 }
-// l.12-15: O_i / l_i into O as T (the rows below N), and L_i.
+// Rows r and r + 8 of a (16, d) block of m16n8 accumulators, times f (f.x in row r, f.y in row r + 8), into the
+// row-major X as T: the rows below N (O_i, and the backward kernels' dK_j, dV_j and dQ_i).
 template <typename T, int d>
-__device__ void write_O_L(const float (&O_i)[d / 8][4], const float (&m_i)[2], float (&l_i)[2], Rows<T> O, float* L,
-                          int r, int t, int N, float dropout_scale = 1.f) {
-  const float2 f = finish_rows(m_i, l_i, L, r, t, N, dropout_scale);
-  for (int h = 0; h < 2; h++)
-    if (r + 8 * h < N)
-      for (int nt = 0; nt < d / 8; nt++)
-        *reinterpret_cast<uint32_t*>(O.at(r + 8 * h) + 8 * nt + 2 * t) =
-            pack<T>((h ? f.y : f.x) * O_i[nt][2 * h], (h ? f.y : f.x) * O_i[nt][2 * h + 1]);
-}
-
-// Rows r and r + 8 of a (16, d) block of m16n8 accumulators, times f, into the row-major X as T: the rows
-// below N (the backward kernels' dK_j and dV_j, Alg.2 l.18).
-template <typename T, int d>
-__device__ void store_rows(Rows<T> X, const float (&acc)[d / 8][4], int r, int t, int N, float f) {
+__device__ void store_rows(Rows<T> X, const float (&acc)[d / 8][4], int r, int t, int N, float2 f) {
   for (int h = 0; h < 2; h++)
     if (r + 8 * h < N)
       for (int nt = 0; nt < d / 8; nt++)
         *reinterpret_cast<uint32_t*>(X.at(r + 8 * h) + 8 * nt + 2 * t) =
-            pack<T>(f * acc[nt][2 * h], f * acc[nt][2 * h + 1]);
+            pack<T>((h ? f.y : f.x) * acc[nt][2 * h], (h ? f.y : f.x) * acc[nt][2 * h + 1]);
+}
+// Alg.1 l.12-15: O_i / l_i into O as T (the rows below N), and L_i.
+template <typename T, int d>
+__device__ void write_O_L(const float (&O_i)[d / 8][4], const float (&m_i)[2], float (&l_i)[2], Rows<T> O, float* L,
+                          int r, int t, int N, float dropout_scale = 1.f) {
+  store_rows<T, d>(O, O_i, r, t, N, finish_rows(m_i, l_i, L, r, t, N, dropout_scale));
 }
 
 // ======================================================================================================
@@ -1557,8 +1551,8 @@ flash_bwd_ampere(Rows<const T> Q, Rows<const T> K, Rows<const T> V, Rows<const T
     }
     __syncthreads();  // every warp is done with Q_s, dO_s stage and dS_s before the next block refills them
   }
-  store_rows<T, DC>(dK.head().cols(n0), dK_j, col0 + 16 * warp + g, t, N_k, scale);  // l.18: write dK_j, dV_j
-  store_rows<T, DC>(dV.head().cols(n0), dV_j, col0 + 16 * warp + g, t, N_k, 1.f);
+  store_rows<T, DC>(dK.head().cols(n0), dK_j, col0 + 16 * warp + g, t, N_k, {scale, scale});  // l.18: write dK_j, dV_j
+  store_rows<T, DC>(dV.head().cols(n0), dV_j, col0 + 16 * warp + g, t, N_k, {1.f, 1.f});
 }
 
 // ------------------------------------------------------------------------------------------------------
@@ -1656,7 +1650,7 @@ flash_bwd_dq_ampere(Rows<const T> Q, Rows<const T> K, Rows<const T> V, Rows<cons
     }
     __syncthreads();  // every warp is done with stage j % 2 before iteration j+1 refills it
   }
-  store_rows<T, d>(dQ, dQ_i, r, t, N_q, scale);  // dQ_i, once
+  store_rows<T, d>(dQ, dQ_i, r, t, N_q, {scale, scale});  // dQ_i, once
 }
 
 // ------------------------------------------------------------------------------------------------------
@@ -2668,8 +2662,8 @@ flash_bwd_hopper(const __grid_constant__ CUtensorMap Q_map, const __grid_constan
     // l.18: write dK_j, dV_j, through shared memory where K_j and V_j were, then by TMA in whole 128-byte rows (as
     // the forward's O_i). A key block that runs past its sequence in a packed batch keeps direct stores.
     if (PACKED && col0 + B_c > N_k) {
-      store_rows<T, ND>(dK.head().cols(n0), dK_j, c, t, N_k, dS_scale);
-      store_rows<T, ND>(dV.head().cols(n0), dV_j, c, t, N_k, dropout_scale);
+      store_rows<T, ND>(dK.head().cols(n0), dK_j, c, t, N_k, {dS_scale, dS_scale});
+      store_rows<T, ND>(dV.head().cols(n0), dV_j, c, t, N_k, {dropout_scale, dropout_scale});
     } else {
       asm volatile("bar.sync 1, 256;" ::: "memory");  // both consumers' products, the last to read K_j, V_j, are done
       store_panels<T, ND>(K_s, B_c * 128, dK_j, key0 + 16 * warp + g, n0, g, t, {dS_scale, dS_scale});

@@ -54,7 +54,10 @@ def render(template):
             numbers += [n for n in matching_lines(sources[file], file, function, pattern) if n not in numbers]
         return ", ".join(f"[L{n}](../{file}#L{n})" for n in numbers)
 
-    return re.sub(r"\{(flash\.cu|reference\.py|main\.py):(\w+|\*):([^{}]+)\}", links, template)
+    page = re.sub(r"\{(flash\.cu|reference\.py|main\.py):(\w+|\*):([^{}]+)\}", links, template)
+    if left := re.search(r"\{(flash\.cu|reference\.py|main\.py):[^\n]*", page):  # a pattern with a brace in it
+        sys.exit(f"make_algorithm.py: a link was not made (a pattern cannot hold braces): {left.group()[:80]}")
+    return page
 
 
 if __name__ == "__main__":
