@@ -2104,8 +2104,8 @@ __device__ void to_A_fragments(uint32_t (&A)[n / 16][4], const float (&S)[n / 8]
 }
 
 // A consumer warpgroup's schedule in the Hopper forward kernels (flash_fwd_hopper, flash_fwd_hopper_fp8), for the
-// n_blocks key blocks n = 0, 1, ... of its loop, block n in stage n % STAGES. The softmax of block n+1 runs on the
-// CUDA cores while the tensor cores compute P_in V_n:
+// n_blocks key blocks n = 0, 1, ... of its loop, block n in stage n % STAGES. The softmax of block n+1 is written to
+// run on the CUDA cores while the tensor cores compute P_in V_n (where ptxas lets it: softmax_first below):
 //   S_i0 = Q_i K_0^T; softmax
 //   for n: issue S_i,n+1 = Q_i K_n+1^T; issue O_i += P_in V_n; wait for S_i,n+1; softmax;
 //          wait for O_i; release block n's stage; O_i *= alpha; P_i,n+1 from S
@@ -2190,7 +2190,8 @@ __device__ void store_panels(uint32_t tile, uint32_t panel_bytes, const float (&
 //   empty[s] when every consumer warp has finished reading it (mbarriers). The producer refills a stage
 //   as soon as it is empty, up to STAGES blocks ahead.
 // - A consumer issues S_i,j+1 = Q_i K_j+1^T and O_i += P_ij V_j together and computes the softmax of
-//   block j+1 while P_ij V_j runs (wgmma.wait_group 1, then 0).
+//   block j+1 while P_ij V_j runs (wgmma.wait_group 1, then 0; at d = 128, where ptxas is kept from moving the
+//   second wait above the softmax: forward_schedule).
 // - The consumers take turns to issue their products (named barriers), so that one's softmax runs on
 //   the CUDA cores while the other's products run on the tensor cores. Over time, NWG = 2:
 //   tensor cores  | c1: S_i,j+1 then P_ij V_j   | c2: S_i,j+1 then P_ij V_j   | c1: S_i,j+2 ...
