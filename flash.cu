@@ -1936,10 +1936,6 @@ __device__ inline void mbar_wait(uint32_t bar, int parity) {  // until the phase
                  : "=r"(done) : "r"(bar), "r"(parity) : "memory");
 }
 
-// Fetches a tensor map into the descriptor cache before its first copy needs it.
-__device__ inline void prefetch_map(const CUtensorMap& map) {
-  asm volatile("prefetch.tensormap [%0];" ::"l"(reinterpret_cast<uint64_t>(&map)) : "memory");
-}
 // for (r, c) in the map's box (rows, 64): dst[swizzled (r, c)] = X[b][h][first + row + r][col + c], zero past
 // the map's rows, for head h of sequence seq (a packed batch's map: (1, H, total, d)); the copy runs on its
 // own and counts its bytes on bar.
@@ -2120,7 +2116,7 @@ __device__ void to_A_fragments(uint32_t (&A)[n / 16][4], const float (&S)[n / 8]
 // after the softmax with a second look at block n+1's mbarrier (complete since issue_S(n + 1), so the spin loop
 // returns at once), which keeps the softmax first. Measured on an H100 against the hoisted wait (notebook 08): 1.02x
 // at d = 128, 0.98x at d = 96, 1.00x at d = 256 and in the fp8 kernel, 0.99x at d = 64: so at d = 128 only.
-template <int NWG, int STAGES, bool softmax_first, int S_tiles, int O_tiles>
+template <int NWG, int STAGES, bool softmax_first = false, int S_tiles, int O_tiles>
 __device__ void forward_schedule(int wg, int n_blocks, float (&S)[S_tiles][4], float (&O_i)[O_tiles][4], auto full,
                                  auto empty, auto ready_PV, auto issue_S, auto issue_PV, auto softmax, auto to_P,
                                  auto rescale) {
@@ -2225,8 +2221,6 @@ flash_fwd_hopper(const __grid_constant__ CUtensorMap Q_map, const __grid_constan
   const int j0 = blocks.x, n_blocks = blocks.y - blocks.x;
 
   if (threadIdx.x == 0) {
-    // the descriptors fetched while the barriers are made, before the first copies read them (measured: 1.00x)
-    for (const CUtensorMap* map : {&Q_map, &K_map, &V_map, &O_map}) prefetch_map(*map);
     mbar_init(Q_full, 1);
     for (int s = 0; s < STAGES; s++) mbar_init(full(s), 1), mbar_init(empty(s), 4 * NWG);
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");  // initialised before TMA signals them
@@ -2942,7 +2936,6 @@ flash_fwd_hopper_fp8(const __grid_constant__ CUtensorMap Q_map, const __grid_con
   const float* s_V = scales.v + (blockIdx.z * gridDim.y / group + h_kv) * scales.T_k;
 
   if (threadIdx.x == 0) {
-    for (const CUtensorMap* map : {&Q_map, &K_map, &V_map}) prefetch_map(*map);
     mbar_init(Q_full, 1);
     for (int s = 0; s < STAGES; s++) mbar_init(full(s), 1), mbar_init(empty(s), 4 * NWG), mbar_init(transposed(s), 3);
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");  // initialised before TMA signals them
@@ -3023,8 +3016,8 @@ flash_fwd_hopper_fp8(const __grid_constant__ CUtensorMap Q_map, const __grid_con
       if (!V_TRANSPOSED) mbar_wait(transposed(n % STAGES), n / STAGES % 2);
     };
     mbar_wait(Q_full, 0);
-    forward_schedule<NWG, STAGES, false>(wg, n_blocks, S, O_i, full, empty, transposed_V, issue_S, issue_PV, softmax,
-                                         to_fp8_fragments, [&] { rescale_O<d>(O_i, alpha); });
+    forward_schedule<NWG, STAGES>(wg, n_blocks, S, O_i, full, empty, transposed_V, issue_S, issue_PV, softmax,
+                                  to_fp8_fragments, [&] { rescale_O<d>(O_i, alpha); });
     const float s_V_last = s_V[j0 + n_blocks - 1], m_out[2] = {m_i[0] - 8.f, m_i[1] - 8.f};  // (l_i's 2^8 out of L)
     rescale_O<d>(O_i, {s_V_last, s_V_last});
     write_O_L<T, d>(O_i, m_out, l_i, O.head(), L + mask.row_index(), r, t, mask.N_q);  // l.12-15
