@@ -171,11 +171,14 @@ def attention(Q, K, V, causal=False, softmax_scale=None, window=(-1, -1), alibi_
 
 
 def flash_forward(Q, K, V, causal=False, softmax_scale=None, B_r=64, B_c=64, key_blocks=None, window=(-1, -1),
-                  alibi_slopes=None, softcap=0.0, dropout_p=0.0, dropout_seed=0):
+                  alibi_slopes=None, softcap=0.0, dropout_p=0.0, dropout_seed=0, tau=0.0):
     """Algorithm 1 (forward). Returns O (..., N_q, d) and L (..., N_q), the row log-sum-exp.
     key_blocks: the key blocks j to visit (default: all T_c that the window reaches); split-KV (flash_decode)
     visits one range of them per part and merges the parts. dropout_p > 0: each block draws its Z_ij from
-    dropout_seed (dropout_keep), as the kernels do; Q is then (B, H_q, N_q, d) or (H_q, N_q, d)."""
+    dropout_seed (dropout_keep), as the kernels do; Q is then (B, H_q, N_q, d) or (H_q, N_q, d).
+    tau > 0: lazy rescaling (the Hopper forward at d = 128, with tau = 8 ln 2): m_i moves only where a block's row
+    maximum passes it by more than tau. O and L do not change: O_i, l_i and L_i all use the same m_i, and
+    P_ij <= e^tau."""
     N_q, N_k = Q.shape[-2], K.shape[-2]
     scale = _scale(Q, softmax_scale)
     K, V = _query_heads(K, Q), _query_heads(V, Q)
@@ -201,7 +204,8 @@ def flash_forward(Q, K, V, causal=False, softmax_scale=None, B_r=64, B_c=64, key
             S_ij = Q_i @ K_j.transpose(-1, -2) * scale                    # l.8: S_ij = Q_i K_j^T (..., B_r, B_c)
             S_ij = _modified(S_ij, r0, c0, shift, softcap, alibi_slopes)  #      softcap, ALiBi, the mask
             S_ij = S_ij.masked_fill(_hidden(r0, r1, c0, c1, Q.device, shift, window), float("-inf"))
-            m_new = torch.maximum(m_i, S_ij.amax(dim=-1))                 # l.9: m_i^(j) = max(m_i^(j-1), rowmax(S_ij))
+            row_max = S_ij.amax(dim=-1)                                   # l.9: m_i^(j) = max(m_i^(j-1), rowmax(S_ij))
+            m_new = torch.where(row_max > m_i + tau, row_max, m_i)        #      (tau = 0; else moved only past m_i + tau)
             P_ij = torch.exp(S_ij - m_new[..., None])                     #      P_ij = exp(S_ij - m_i^(j))
             alpha = torch.exp(m_i - m_new)                                #      rescales what was summed so far
             l_i = alpha * l_i + P_ij.sum(dim=-1)                          #      l_i^(j) = e^(m^(j-1) - m^(j)) l_i^(j-1) + rowsum(P_ij)

@@ -64,6 +64,17 @@ def test_against_float64(kernel, dtype, d, N, causal):
     check(kernel, q, k, v, do, causal)
 
 
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("kernel, dtype", sorted({(k, dtype) for k, dtype, d in CASES if d == 128}))
+def test_row_maxima_that_keep_growing(kernel, dtype, causal):
+    """Keys whose norms grow along the sequence, so that each row's maximum passes m_i again and again: the hopper
+    forward at d = 128 (lazy rescaling: update_row_max's tau) moves m_i many times, and skips O_i *= alpha between."""
+    torch.manual_seed(5)
+    q, k, v, do = (torch.randn(2, 4, 1000, 128, device="cuda", dtype=DTYPES[dtype]) for _ in range(4))
+    k = k * torch.linspace(0.1, 8.0, 1000, device="cuda", dtype=k.dtype)[:, None]
+    check(kernel, q, k, v, do, causal)
+
+
 @pytest.mark.parametrize("d", PADDED)
 @pytest.mark.parametrize("kernel, dtype", sorted({(k, dtype) for k, dtype, _ in CASES}))
 def test_head_dims_between_tile_widths(kernel, dtype, d):

@@ -33,6 +33,21 @@ def test_forward_and_backward_match_dense(N, d, causal):
         torch.testing.assert_close(x, ref, rtol=1e-10, atol=1e-10, msg=lambda m: f"{name}: {m}")
 
 
+@pytest.mark.parametrize("causal", [False, True])
+def test_lazy_rescaling_gives_the_same_O_and_L(causal):
+    # Keys whose norms grow along the sequence: each row's maximum passes m_i + tau again and again, so m_i moves
+    # late and often, and stays put in between
+    q, k, v, _ = random_problem(200, 16, seed=3)
+    k = k * torch.linspace(0.2, 4.0, 200, dtype=torch.float64)[:, None]
+    tau = 8 * math.log(2)  # the Hopper forward's 8, in base-2 units
+    S = q @ k.transpose(-1, -2)
+    assert (S.amax(-1) > S[..., :24].amax(-1) + tau).float().mean() > 0.9  # the input does what it is for
+    o, L = reference.flash_forward(q, k, v, causal, 1.0, B_r=16, B_c=24, tau=tau)
+    o_ref, L_ref = reference.flash_forward(q, k, v, causal, 1.0, B_r=16, B_c=24)
+    torch.testing.assert_close(o, o_ref, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(L, L_ref, rtol=1e-12, atol=1e-12)
+
+
 def test_default_scale_is_one_over_sqrt_d():
     q, k, v, _ = random_problem(33, 16, seed=1)
     o, _ = reference.flash_forward(q, k, v)
