@@ -866,7 +866,7 @@ __device__ void update_row_max(const float (&S)[B_c / 8][4], float (&m_i)[2], fl
   for (int h = 0; h < 2; h++) {  // the 4 lanes of a quad (same g) hold one row: reduce across them
     rowmax[h] = fmaxf(rowmax[h], __shfl_xor_sync(~0u, rowmax[h], 1));
     rowmax[h] = fmaxf(rowmax[h], __shfl_xor_sync(~0u, rowmax[h], 2)) * f;
-    if (tau == 0) rowmax[h] = fmaxf(m_i[h], rowmax[h]);
+    if (tau == 0) rowmax[h] = fmaxf(m_i[h], rowmax[h]);  // (one FMNMX: what every other kernel compiles to)
     const bool moved = tau == 0 || rowmax[h] > m_i[h] + tau;
     alpha[h] = moved ? exp2_ftz(m_i[h] - rowmax[h]) : 1.f;  // (both finite: see M_START)
     m_i[h] = moved ? rowmax[h] : m_i[h];

@@ -46,6 +46,8 @@ def test_lazy_rescaling_gives_the_same_O_and_L(causal):
     o_ref, L_ref = reference.flash_forward(q, k, v, causal, 1.0, B_r=16, B_c=24)
     torch.testing.assert_close(o, o_ref, rtol=1e-12, atol=1e-12)
     torch.testing.assert_close(L, L_ref, rtol=1e-12, atol=1e-12)
+    with pytest.raises(ValueError, match="tau must be >= 0"):
+        reference.flash_forward(q, k, v, tau=-1.0)
 
 
 def test_default_scale_is_one_over_sqrt_d():
