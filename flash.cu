@@ -2122,7 +2122,8 @@ __device__ void to_A_fragments(uint32_t (&A)[n / 16][4], const float (&S)[n / 8]
 // which it does not depend: then a consumer's softmax never overlaps its own P_in V_n. softmax_first ends the block
 // after the softmax with a second look at block n+1's mbarrier (complete since issue_S(n + 1), so the spin loop
 // returns at once), which keeps the softmax first. Measured on an H100 against the hoisted wait (notebook 08): 1.02x
-// at d = 128, 0.98x at d = 96, 1.00x at d = 256 and in the fp8 kernel, 0.99x at d = 64: so at d = 128 only.
+// at d = 128, 0.98x at d = 96, 1.00x at d = 256, 0.99x at d = 64, and in the fp8 kernel 1.03-1.07x with V_j^T made in
+// the kernel (0.98-1.01x with V^T from flash_quantize): so at d = 128 and in the fp8 kernel.
 template <int NWG, int STAGES, bool softmax_first = false, int S_tiles, int O_tiles>
 __device__ void forward_schedule(int wg, int n_blocks, float (&S)[S_tiles][4], float (&O_i)[O_tiles][4], auto full,
                                  auto empty, auto ready_PV, auto issue_S, auto issue_PV, auto softmax, auto to_P,
@@ -2994,25 +2995,23 @@ flash_fwd_hopper_fp8(const __grid_constant__ CUtensorMap Q_map, const __grid_con
       wgmma_commit();
     };
     // l.9, then P_ij in place of S_ij, times 2^8. The scores are f S_ij, f = scale log2(e) s_Q,i s_K,j > 0 (no softcap
-    // or ALiBi here; main.py refuses a negative scale): the row maximum is taken on S_ij and scaled once, and each
-    // entry costs one FFMA and one ex2.
+    // or ALiBi here; main.py refuses a negative scale): update_row_max takes the row maximum on S_ij and scales it
+    // once, and each entry costs one FFMA and one ex2. Block j+1's scales are loaded during block j (read where they
+    // are used, every softmax began by waiting for them), and divided by __fdividef (an IEEE division adds a call to
+    // its slow path, which also kept ptxas from scheduling across it).
     Scores unscaled = sc;
     unscaled.scale_log2 = 1.f;
+    float s_K_j = s_K[j0], s_V_j = s_V[j0], s_V_before = s_V_j;  // the next softmax's s_K,j, s_V,j and s_V,j-1
     auto softmax = [&](int n) {
       const int j = j0 + n;
-      const float f = sc.scale_log2 * s_Q * s_K[j];
+      const float f = sc.scale_log2 * s_Q * s_K_j, V_units = __fdividef(s_V_before, s_V_j);
+      if (n + 1 < n_blocks) s_K_j = s_K[j + 1], s_V_before = s_V_j, s_V_j = s_V[j + 1];
       if (mask.any(row0, B_r, j * B_c, B_c)) apply_scores<B_c>(S, {r, r + 8}, j * B_c + 2 * t, unscaled, true, {0.f, 0.f});
-      float m8[2];  // m_i - 8
-      for (int h = 0; h < 2; h++) {
-        float rowmax = -INFINITY;
-        for (int nt = 0; nt < B_c / 8; nt++) rowmax = fmaxf(rowmax, fmaxf(S[nt][2 * h], S[nt][2 * h + 1]));
-        rowmax = fmaxf(rowmax, __shfl_xor_sync(~0u, rowmax, 1));  // over the quad holding the row
-        rowmax = fmaxf(m_i[h], fmaxf(rowmax, __shfl_xor_sync(~0u, rowmax, 2)) * f);
-        alpha[h] = exp2_ftz(m_i[h] - rowmax), m_i[h] = rowmax, l_i[h] *= alpha[h], m8[h] = rowmax - 8.f;
-        if (n > 0) alpha[h] *= s_V[j - 1] / s_V[j];  // (for O_i only)
-      }
+      update_row_max<B_c>(S, m_i, l_i, alpha, f);
+      const float bias[2] = {8.f - m_i[0], 8.f - m_i[1]};  // P_ij times 2^8
+      alpha[0] *= V_units, alpha[1] *= V_units;  // (O_i only: O_i in units of s_V,j from here on)
       for (int nt = 0; nt < B_c / 8; nt++)
-        for (int e = 0; e < 4; e++) S[nt][e] = exp2_ftz(fmaf(S[nt][e], f, -m8[e / 2])), l_i[e / 2] += S[nt][e];
+        for (int e = 0; e < 4; e++) S[nt][e] = exp2_ftz(fmaf(S[nt][e], f, bias[e / 2])), l_i[e / 2] += S[nt][e];
     };
     auto to_fp8_fragments = [&] {  // tiles 4kk .. 4kk+3 hold keys 2t, 2t+1, 2t+8, 2t+9 (+16) of slice kk
       for (int kk = 0; kk < B_c / 32; kk++)
@@ -3029,8 +3028,8 @@ flash_fwd_hopper_fp8(const __grid_constant__ CUtensorMap Q_map, const __grid_con
       if (!V_TRANSPOSED) mbar_wait(transposed(n % STAGES), n / STAGES % 2);
     };
     mbar_wait(Q_full, 0);
-    forward_schedule<NWG, STAGES>(wg, n_blocks, S, O_i, full, empty, transposed_V, issue_S, issue_PV, softmax,
-                                  to_fp8_fragments, [&] { rescale_O<d>(O_i, alpha); });
+    forward_schedule<NWG, STAGES, true>(wg, n_blocks, S, O_i, full, empty, transposed_V, issue_S, issue_PV, softmax,
+                                        to_fp8_fragments, [&] { rescale_O<d>(O_i, alpha); });
     const float s_V_last = s_V[j0 + n_blocks - 1], m_out[2] = {m_i[0] - 8.f, m_i[1] - 8.f};  // (l_i's 2^8 out of L)
     rescale_O<d>(O_i, {s_V_last, s_V_last});
     write_O_L<T, d>(O_i, m_out, l_i, O.head(), L + mask.row_index(), r, t, mask.N_q);  // l.12-15
