@@ -46,6 +46,14 @@ def load_answer(grader_file, name="starter.py"):
     return module
 
 
+# ---- comparing numbers ---------------------------------------------------------------------------------
+
+def close(got, expected, rel=1e-9):
+    """True if `got` is a number (not a bool) within `rel` of `expected`, relatively (absolutely near 0)."""
+    return (isinstance(got, (int, float)) and not isinstance(got, bool)
+            and abs(got - expected) <= rel * abs(expected) + 1e-12)
+
+
 # ---- comparing tensors and saying what differs ------------------------------------------------------
 
 def _index(flat, shape):

@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from _grading import load_answer  # noqa: E402
+from _grading import close, load_answer  # noqa: E402
 
 ans = load_answer(__file__)
 
@@ -42,10 +42,6 @@ def reference_splits(units, T_c, slots, fixed=2, max_splits=128, tie_larger=Fals
         if cost(S) < cost(best) or (tie_larger and cost(S) == cost(best)):
             best = S
     return best
-
-
-def close(got, expected, rel=1e-9):
-    return isinstance(got, (int, float)) and abs(got - expected) <= rel * abs(expected) + 1e-12
 
 
 def test_rounds():
