@@ -2368,13 +2368,137 @@ constexpr bool dQ_staged(int d) { return !DETERMINISTIC && d <= 192; }
 // from shared memory): up to d = 64, where dK_j and dV_j leave room for them (see the kernel).
 constexpr bool P_in_registers(int d) { return d <= 64; }
 
+// The hopper backward's shared memory, from `base` (1024-aligned, for the swizzled tiles): K_j and V_j (B_c, d);
+// STAGES stages of Q_i and dO_i (B_r, d); two buffers of dS_ij^T and, past d = 64, of P_ij^T (B_c, B_r), query block
+// i's in buffer i % 2; the dQ_i tile (B_r, d) fp32 in panels of 32 columns, if staged; STAGES stages of L_i log2(e)
+// and D_i (2, B_r) fp32; the mbarriers, 8 bytes each. Query blocks i_start, i_start + 1, .. take the stages in turn:
+// block i is in stage(i), which round(i) blocks have filled before it. bytes: the launcher's dynamic shared memory,
+// with 1 KB of slack for the alignment.
+template <typename T, int d, int B_c, int STAGES>
+struct BwdTiles {
+  static constexpr int B_r = 64, P_tiles = P_in_registers(d) ? 1 : 2;  // per buffer: dS_ij^T (and P_ij^T)
+  static constexpr uint32_t KV_bytes = B_c * 128 * panels(d), Q_bytes = B_r * 128 * panels(d),
+                            P_bytes = B_c * B_r * sizeof(T), dQ_bytes = dQ_staged(d) ? B_r * d * 4 : 0,
+                            LD_bytes = 2 * B_r * 4;
+  static constexpr size_t bytes = 2 * KV_bytes + STAGES * (2 * Q_bytes + LD_bytes) + 2 * P_tiles * P_bytes + dQ_bytes +
+                                  8 * (1 + 2 * STAGES) + 1024;
+  uint32_t base;
+  int i_start;
+  __device__ uint32_t K() const { return base; }
+  __device__ uint32_t V() const { return base + KV_bytes; }
+  __device__ uint32_t Q(int s) const { return V() + KV_bytes + 2 * s * Q_bytes; }
+  __device__ uint32_t dO(int s) const { return Q(s) + Q_bytes; }
+  __device__ uint32_t dS(int i) const { return Q(STAGES) + i % 2 * P_tiles * P_bytes; }
+  __device__ uint32_t P(int i) const { return dS(i) + P_bytes; }
+  __device__ uint32_t dQ() const { return Q(STAGES) + 2 * P_tiles * P_bytes; }
+  __device__ uint32_t LD(int s) const { return dQ() + dQ_bytes + s * LD_bytes; }
+  __device__ uint32_t KV_full() const { return LD(STAGES); }  // K_j and V_j have landed
+  __device__ uint32_t full(int s) const { return KV_full() + 8 * (1 + s); }             // stage s has landed
+  __device__ uint32_t empty(int s) const { return KV_full() + 8 * (1 + STAGES + s); }   // stage s has been read
+  __device__ int stage(int i) const { return (i - i_start) % STAGES; }
+  __device__ int round(int i) const { return (i - i_start) / STAGES; }
+};
+
+// The hopper backward's producer warpgroup, for query blocks i_start .. i_end-1 of the key block at col0. Thread 0
+// loads K_j and V_j once, then Q_i and dO_i into the stages by TMA; warp 1 copies L_i and D_i beside them, which
+// TMA cannot (rows of N floats are not 16-byte aligned), each lane arriving on full(s) when done; warp 2 adds the
+// consumers' dQ_i tiles into dQ by TMA reductions, taking turns with them on named barriers 2 (stored) and 3 (free).
+template <typename T, int d, int B_c, int STAGES>
+__device__ void bwd_hopper_producer(const BwdTiles<T, d, B_c, STAGES>& tiles, const CUtensorMap& Q_map,
+                                    const CUtensorMap& K_map, const CUtensorMap& V_map, const CUtensorMap& dO_map,
+                                    const CUtensorMap& dQ_map, const float* L, const float* D, const Scores& sc,
+                                    int group, int col0, int i_end) {
+  constexpr int B_r = 64;
+  const Mask& mask = sc.mask;
+  asm volatile("setmaxnreg.dec.sync.aligned.u32 24;");
+  if (threadIdx.x == 0) {
+    const int h = blockIdx.y, h_kv = h / group;  // query head h reads key/value head h / group
+    const Sequence queries(mask.cu_q), keys(mask.cu_k);
+    mbar_arrive_expect_bytes(tiles.KV_full(), 2 * tiles.KV_bytes);             // l.6: load K_j, V_j
+    for (int c = 0; c < panels(d); c++) {
+      tma_load(tiles.K() + c * B_c * 128, K_map, 64 * c, keys, col0, h_kv, tiles.KV_full());
+      tma_load(tiles.V() + c * B_c * 128, V_map, 64 * c, keys, col0, h_kv, tiles.KV_full());
+    }
+    for (int i = tiles.i_start; i < i_end; i++) {                               // l.9: load Q_i, dO_i
+      const int s = tiles.stage(i), round = tiles.round(i);
+      if (round > 0) mbar_wait(tiles.empty(s), (round - 1) % 2);  // block i - STAGES is out of stage s
+      mbar_arrive_expect_bytes(tiles.full(s), 2 * tiles.Q_bytes);
+      for (int c = 0; c < panels(d); c++) {
+        tma_load(tiles.Q(s) + c * B_r * 128, Q_map, 64 * c, queries, i * B_r, h, tiles.full(s));
+        tma_load(tiles.dO(s) + c * B_r * 128, dO_map, 64 * c, queries, i * B_r, h, tiles.full(s));
+      }
+    }
+  } else if (threadIdx.x / 32 == 1) {  // warp 1: L_i and D_i
+    for (int i = tiles.i_start; i < i_end; i++) {
+      const int s = tiles.stage(i), round = tiles.round(i);
+      if (round > 0) mbar_wait(tiles.empty(s), (round - 1) % 2);
+      copy_L_D<B_r>(reinterpret_cast<float*>(__cvta_shared_to_generic(tiles.LD(s))), L + mask.row_index(),
+                    D + mask.row_index(), i * B_r, mask.N_q, 1.f / sc.dropout.scale);
+      mbar_arrive(tiles.full(s));
+    }
+  } else if (threadIdx.x / 32 == 2 && dQ_staged(d)) {  // warp 2: dQ_i += the consumers' tile (l.15)
+    const Sequence queries(mask.cu_q);
+    asm volatile("bar.arrive 3, 288;" ::: "memory");  // the tile is free
+    for (int i = tiles.i_start; i < i_end; i++) {
+      asm volatile("bar.sync 2, 288;" ::: "memory");  // the consumers have stored block i's dQ_i
+      if (threadIdx.x % 32 == 0) {
+        for (int p = 0; p < d / 32; p++)
+          tma_reduce_add(tiles.dQ() + p * B_r * 128, dQ_map, 32 * p, queries, i * B_r, blockIdx.y);
+        asm volatile("cp.async.bulk.commit_group;" ::: "memory");
+        asm volatile("cp.async.bulk.wait_group.read 0;" ::: "memory");  // the tile has been read
+      }
+      __syncwarp();
+      if (i + 1 < i_end) asm volatile("bar.arrive 3, 288;" ::: "memory");  // the tile is free
+    }
+    if (threadIdx.x % 32 == 0) asm volatile("cp.async.bulk.wait_group 0;" ::: "memory");  // and added
+  }
+}
+
+// dQ_i += dS_ij K_j (l.15) for query block i, by consumer warpgroup wg of the hopper backward: its columns
+// (wg-1) d/2 .., DQ at a time (two passes at d = 256: at most 64 registers beside dK_j and dV_j). Slice kk: keys
+// 16kk.., rows of dS_ij^T (M-major) and of K_j (N-major). Up to d = 192 into the fp32 tile, which the producer's
+// warp 2 adds into dQ; past it by atomics, one per pair of entries. The lane holds rows row, row + 8 of dQ_i's
+// tile (row = 16 warp + g) and columns 2t, 2t + 1 of each 8. (Passed in: read again from threadIdx here, they cost
+// two S2R in every block of the loop, and 2-3% at d = 64.)
+template <typename T, int d, int B_c, int STAGES>
+__device__ void bwd_hopper_dQ(const BwdTiles<T, d, B_c, STAGES>& tiles, int i, int wg, int row, int g, int t,
+                              float dS_scale, float* dQ, const Mask& mask) {
+  constexpr int B_r = 64, DQ = d / 2 > 96 ? d / 4 : d / 2;
+  for (int pass = 0; pass < d / 2 / DQ; pass++) {
+    const int c0 = (wg - 1) * d / 2 + pass * DQ;
+    float dQ_i[DQ / 8][4];
+    wgmma_fence();
+    for (int kk = 0; kk < B_c / 16; kk++)
+      wgmma_ss_cols<T, DQ, DQ & -DQ, 1>(dQ_i, smem_desc(tiles.dS(i) + 16 * kk * 128, 0), tiles.K() + 16 * kk * 128, c0,
+                                       B_c * 128, kk > 0);
+    wgmma_commit();
+    wgmma_wait<0>(dQ_i);
+    if constexpr (dQ_staged(d)) {
+      asm volatile("bar.sync 3, 288;" ::: "memory");  // warp 2 has finished reading the tile (block i-1)
+      store_panels_fp32<DQ>(tiles.dQ(), B_r * 128, dQ_i, dS_scale, row, c0, g, t);
+      asm volatile("fence.proxy.async.shared::cta;" ::: "memory");  // the stores are visible to TMA
+      asm volatile("bar.arrive 2, 288;" ::: "memory");
+    } else {
+      float* dQ_h = dQ + mask.row_index() * d;  // (this head's rows)
+      for (int h = 0; h < 2; h++) {
+        const int r = i * B_r + row + 8 * h;  // dQ_i's rows are queries
+        if (r < mask.N_q)
+          for (int nt = 0; nt < DQ / 8; nt++)
+            atomic_add_pair(&dQ_h[(size_t)r * d + c0 + 8 * nt + 2 * t], dS_scale * dQ_i[nt][2 * h],
+                            dS_scale * dQ_i[nt][2 * h + 1]);
+      }
+    }
+  }
+}
+
 // fp16/bf16 backward on Hopper (sm_90a): FlashAttention-2's Algorithm 2 with the forward's producer
 // warpgroup and mbarrier stages, and the Ampere backward's transposed products.
 // Grid (T_c, H_q, B): one block per key block K_j, V_j of one query head (dK_j, dV_j per query head: the host
-// sums a group's), looping over query blocks (B_r = 64). Warpgroup 0 is the producer: one thread loads K_j
-// and V_j once, then Q_i and dO_i into STAGES stages with TMA, warp 1 copies L_i and D_i beside them, and warp 2
-// adds dQ_i into dQ (below). Up to d = 128, B_c = 128 and consumer c = 1, 2 owns keys 64(c-1) .. 64c-1 of the block, and so the rows of
-// its transposed products (warp w: keys 16w .. 16w+15 of the 64):
+// sums a group's), looping over query blocks (B_r = 64), in the shared memory of BwdTiles. Warpgroup 0 is the
+// producer (bwd_hopper_producer): one thread loads K_j and V_j once, then Q_i and dO_i into STAGES stages with TMA,
+// warp 1 copies L_i and D_i beside them, and warp 2 adds dQ_i into dQ. Up to d = 128, B_c = 128 and consumer
+// c = 1, 2 owns keys 64(c-1) .. 64c-1 of the block, and so the rows of its transposed products (warp w: keys
+// 16w .. 16w+15 of the 64):
 //   S_ij^T  (64, B_r) = K_j Q_i^T      d/16 wgmma m64n64k16
 //   dP_ij^T (64, B_r) = V_j dO_i^T     d/16 wgmma m64n64k16
 //   dV_j    (64, d)  += P_ij^T dO_i    B_r/16 wgmma m64n{d}k16 (in pieces)
@@ -2395,10 +2519,10 @@ constexpr bool P_in_registers(int d) { return d <= 64; }
 // (c-1) d/2 .. c d/2 - 1 over all B_c keys. Up to d = 192 the consumers store dQ_i into an fp32 tile in shared
 // memory, and warp 2 adds the tile into the fp32 dQ with TMA reductions (whole 128-byte rows, at no cost to the
 // consumers; with one atomic per pair of entries from the consumers' registers, as at d = 256 where the tile does
-// not fit, forward + backward took 1.04-1.10x as long at d = 64 and 1.07-1.18x at d = 128 on an H100). (Each consumer adding all columns
-// over its own 64 keys would double the additions, which at d = 64 made the backward slower.) P_ij^T and
-// dS_ij^T have two buffers each: block i's are written while block i-1's may still be
-// read. The CUDA cores compute block i's P and dS while the tensor cores compute block i-1's dV_j and dK_j:
+// not fit, forward + backward took 1.04-1.10x as long at d = 64 and 1.07-1.18x at d = 128 on an H100). (Each
+// consumer adding all columns over its own 64 keys would double the additions, which at d = 64 made the backward
+// slower.) P_ij^T and dS_ij^T have two buffers each: block i's are written while block i-1's may still be read.
+// The CUDA cores compute block i's P and dS while the tensor cores compute block i-1's dV_j and dK_j:
 //   issue S^T, dP^T of block i_start
 //   for i: wait S_ij^T: P_ij^T = exp(S - L_i);  wait dP_ij^T: dS_ij^T = P o (dP - D_i)
 //          wait dV, dK of block i-1: release its stage;  store P_ij^T, dS_ij^T;  barrier
@@ -2416,19 +2540,6 @@ flash_bwd_hopper(const __grid_constant__ CUtensorMap Q_map, const __grid_constan
   constexpr int B_r = 64;
   constexpr int NQ = split_keys ? B_r : B_r / 2;    // queries of S_ij^T, dP_ij^T per consumer
   constexpr int ND = split_keys ? d : d / 2;        // columns of dV_j, dK_j per consumer
-  constexpr uint32_t KV_bytes = B_c * 128 * panels(d), Q_bytes = B_r * 128 * panels(d), P_bytes = B_c * B_r * sizeof(T);
-  extern __shared__ unsigned char smem_raw[];
-  const uint32_t K_s = (smem_addr(smem_raw) + 1023) & ~1023u, V_s = K_s + KV_bytes;  // K_j, V_j (B_c, d)
-  auto Q_s = [&](int s) { return V_s + KV_bytes + 2 * s * Q_bytes; };  // Q_i in stage s (B_r, d)
-  auto dO_s = [&](int s) { return Q_s(s) + Q_bytes; };                // dO_i in stage s (B_r, d)
-  constexpr int P_tiles = P_in_registers(d) ? 1 : 2;  // per buffer: dS_ij^T, and P_ij^T past d = 64
-  auto dS_s = [&](int i) { return Q_s(STAGES) + i % 2 * P_tiles * P_bytes; };  // dS_ij^T (B_c, B_r), buffer i % 2
-  auto P_s = [&](int i) { return dS_s(i) + P_bytes; };                         // P_ij^T (B_c, B_r), buffer i % 2
-  const uint32_t dQ_s = Q_s(STAGES) + 2 * P_tiles * P_bytes;  // dQ_i (B_r, d) fp32 in panels of 32 columns (if staged)
-  auto LD_s = [&](int s) { return dQ_s + (dQ_staged(d) ? B_r * d * 4 : 0) + s * 2 * B_r * 4; };  // L_i log2(e), D_i
-  const uint32_t KV_full = LD_s(STAGES);                                // then the mbarriers, 8 bytes each
-  auto full = [&](int s) { return KV_full + 8 * (1 + s); };
-  auto empty = [&](int s) { return KV_full + 8 * (1 + STAGES + s); };
   const Mask mask = sc.mask = sc.mask.sequence();
   const int wg = threadIdx.x / 128, j = blockIdx.x, col0 = j * B_c, N_q = mask.N_q, N_k = mask.N_k;
   if (col0 >= N_k) return;  // (a packed batch: past this sequence's keys)
@@ -2436,63 +2547,26 @@ flash_bwd_hopper(const __grid_constant__ CUtensorMap Q_map, const __grid_constan
   // pointer held from here on was spilled at d = 256)
   const int2 blocks = mask.query_blocks(col0, B_c, B_r);  // query blocks i_start .. i_end-1 (the others: hidden)
   const int i_start = blocks.x, i_end = blocks.y;
-  auto stage = [&](int i) { return (i - i_start) % STAGES; };  // query block i's stage, and how many times
-  auto round = [&](int i) { return (i - i_start) / STAGES; };  // that stage has been filled before it
+  extern __shared__ unsigned char smem_raw[];
+  const BwdTiles<T, d, B_c, STAGES> tiles{(smem_addr(smem_raw) + 1023) & ~1023u, i_start};
+  const uint32_t K_s = tiles.K(), V_s = tiles.V();
 
   if (threadIdx.x == 0) {
-    mbar_init(KV_full, 1);
-    for (int s = 0; s < STAGES; s++) mbar_init(full(s), 1 + 32), mbar_init(empty(s), 256);  // full: TMA, warp 1
+    mbar_init(tiles.KV_full(), 1);
+    for (int s = 0; s < STAGES; s++)  // full: TMA and warp 1's lanes; empty: every consumer thread
+      mbar_init(tiles.full(s), 1 + 32), mbar_init(tiles.empty(s), 256);
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");  // initialised before TMA signals them
   }
   __syncthreads();  // no thread waits on a barrier before it is initialised
 
-  if (wg == 0) {  // producer
-    asm volatile("setmaxnreg.dec.sync.aligned.u32 24;");
-    if (threadIdx.x == 0) {
-      const int h = blockIdx.y, h_kv = h / group;  // query head h reads key/value head h / group
-      const Sequence queries(mask.cu_q), keys(mask.cu_k);
-      mbar_arrive_expect_bytes(KV_full, 2 * KV_bytes);                       // l.6: load K_j, V_j
-      for (int c = 0; c < panels(d); c++) {
-        tma_load(K_s + c * B_c * 128, K_map, 64 * c, keys, col0, h_kv, KV_full);
-        tma_load(V_s + c * B_c * 128, V_map, 64 * c, keys, col0, h_kv, KV_full);
-      }
-      for (int i = i_start; i < i_end; i++) {                                 // l.9: load Q_i, dO_i
-        const int s = stage(i);
-        if (round(i) > 0) mbar_wait(empty(s), (round(i) - 1) % 2);  // block i - STAGES is out of stage s
-        mbar_arrive_expect_bytes(full(s), 2 * Q_bytes);
-        for (int c = 0; c < panels(d); c++) {
-          tma_load(Q_s(s) + c * B_r * 128, Q_map, 64 * c, queries, i * B_r, h, full(s));
-          tma_load(dO_s(s) + c * B_r * 128, dO_map, 64 * c, queries, i * B_r, h, full(s));
-        }
-      }
-    } else if (threadIdx.x / 32 == 1) {  // warp 1: L_i and D_i, which TMA cannot copy (rows of N floats are
-      for (int i = i_start; i < i_end; i++) {  // not 16-byte aligned); each lane arrives on full(s) when done
-        const int s = stage(i);
-        if (round(i) > 0) mbar_wait(empty(s), (round(i) - 1) % 2);
-        copy_L_D<B_r>(reinterpret_cast<float*>(__cvta_shared_to_generic(LD_s(s))), L + mask.row_index(),
-                      D + mask.row_index(), i * B_r, N_q, 1.f / sc.dropout.scale);
-        mbar_arrive(full(s));
-      }
-    } else if (threadIdx.x / 32 == 2 && dQ_staged(d)) {  // warp 2: dQ_i += the consumers' tile, by TMA (l.15)
-      const Sequence queries(mask.cu_q);
-      asm volatile("bar.arrive 3, 288;" ::: "memory");  // the tile is free
-      for (int i = i_start; i < i_end; i++) {
-        asm volatile("bar.sync 2, 288;" ::: "memory");  // the consumers have stored block i's dQ_i
-        if (threadIdx.x % 32 == 0) {
-          for (int p = 0; p < d / 32; p++) tma_reduce_add(dQ_s + p * B_r * 128, dQ_map, 32 * p, queries, i * B_r, blockIdx.y);
-          asm volatile("cp.async.bulk.commit_group;" ::: "memory");
-          asm volatile("cp.async.bulk.wait_group.read 0;" ::: "memory");  // the tile has been read
-        }
-        __syncwarp();
-        if (i + 1 < i_end) asm volatile("bar.arrive 3, 288;" ::: "memory");  // the tile is free
-      }
-      if (threadIdx.x % 32 == 0) asm volatile("cp.async.bulk.wait_group 0;" ::: "memory");  // and added
-    }
+  if (wg == 0) {  // l.6, l.9: the producer loads K_j, V_j once, then Q_i, dO_i, L_i, D_i into the stages
+    bwd_hopper_producer(tiles, Q_map, K_map, V_map, dO_map, dQ_map, L, D, sc, group, col0, i_end);
   } else {  // consumer warpgroup wg
     asm volatile("setmaxnreg.inc.sync.aligned.u32 240;");
     const int warp = threadIdx.x / 32 % 4, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
     // its 64 keys, queries of S_ij^T and columns of dV_j, dK_j: key0.., q0.., n0..; dQ_i's columns (wg-1) d/2..
-    const int key0 = split_keys ? 64 * (wg - 1) : 0, q0 = split_keys ? 0 : NQ * (wg - 1), n0 = split_keys ? 0 : (wg - 1) * ND;
+    const int key0 = split_keys ? 64 * (wg - 1) : 0, q0 = split_keys ? 0 : NQ * (wg - 1);
+    const int n0 = split_keys ? 0 : (wg - 1) * ND;
     const int c = col0 + key0 + 16 * warp + g;  // this lane's keys are c and c + 8
     const float scale_log2 = scale * LOG2E, slope = sc.slope(blockIdx.z, blockIdx.y);
     const float dropout_scale = DROPOUT ? sc.dropout.scale : 1.f, dS_scale = scale * dropout_scale;  // (see P_and_dS)
@@ -2511,8 +2585,8 @@ flash_bwd_hopper(const __grid_constant__ CUtensorMap Q_map, const __grid_constan
     // S_ij^T = K_j Q_i^T (l.10) and dP_ij^T = V_j dO_i^T (l.13) for query block i, as two groups: k slice kk
     // is 32 bytes * (kk % 4) into panel kk / 4 of each operand, as in the forward
     auto issue_S_dP = [&](int i) {
-      const int s = stage(i);
-      mbar_wait(full(s), round(i) % 2);  // Q_i, dO_i, L_i and D_i have landed
+      const int s = tiles.stage(i);
+      mbar_wait(tiles.full(s), tiles.round(i) % 2);  // Q_i, dO_i, L_i and D_i have landed
       // K_j's and V_j's addresses as values the compiler cannot see through, so that it makes their descriptors
       // here: hoisted out of the loop, the d/8 descriptors held 64-bit registers, and at d = 256 others spilled
       uint32_t K = K_s, V = V_s;
@@ -2520,72 +2594,41 @@ flash_bwd_hopper(const __grid_constant__ CUtensorMap Q_map, const __grid_constan
       wgmma_fence();  // S and dP were last used by ordinary instructions (see the loop below)
       for (int kk = 0; kk < d / 16; kk++)  // (K_frag, V_frag: one panel, NQ = B_r = 64)
         if constexpr (KV_in_registers)
-          wgmma_m64nNk16_rs<T, 64, 0>(S, K_frag[kk], smem_desc(Q_s(s) + kk * 32, 0), kk > 0);
+          wgmma_m64nNk16_rs<T, 64, 0>(S, K_frag[kk], smem_desc(tiles.Q(s) + kk * 32, 0), kk > 0);
         else
           wgmma_ss<T, NQ>(S, smem_desc(K + kk / 4 * B_c * 128 + key0 * 128 + kk % 4 * 32, 0),
-                          smem_desc(Q_s(s) + kk / 4 * B_r * 128 + q0 * 128 + kk % 4 * 32, 0), kk > 0);
+                          smem_desc(tiles.Q(s) + kk / 4 * B_r * 128 + q0 * 128 + kk % 4 * 32, 0), kk > 0);
       wgmma_commit();
       for (int kk = 0; kk < d / 16; kk++)
         if constexpr (KV_in_registers)
-          wgmma_m64nNk16_rs<T, 64, 0>(dP, V_frag[kk], smem_desc(dO_s(s) + kk * 32, 0), kk > 0);
+          wgmma_m64nNk16_rs<T, 64, 0>(dP, V_frag[kk], smem_desc(tiles.dO(s) + kk * 32, 0), kk > 0);
         else
           wgmma_ss<T, NQ>(dP, smem_desc(V + kk / 4 * B_c * 128 + key0 * 128 + kk % 4 * 32, 0),
-                          smem_desc(dO_s(s) + kk / 4 * B_r * 128 + q0 * 128 + kk % 4 * 32, 0), kk > 0);
+                          smem_desc(tiles.dO(s) + kk / 4 * B_r * 128 + q0 * 128 + kk % 4 * 32, 0), kk > 0);
       wgmma_commit();
     };
     // dV_j += P_ij^T dO_i (l.12) and dK_j += dS_ij^T Q_i (l.16), one group. Slice kk: queries 16kk.., which
     // are 32 bytes * kk into the rows of P^T and dS^T (K-major) and rows 16kk.. of dO_i and Q_i (N-major);
     // columns n0.. (a multiple of ND: the pieces suit both consumers)
     auto issue_dV_dK = [&](int i) {
-      const int s = stage(i);
+      const int s = tiles.stage(i);
       constexpr int align = split_keys ? 64 : ND & -ND;
       wgmma_fence();
       if constexpr (P_in_registers(d)) {  // (split_keys: n0 = 0, ND = d)
-        for (int kk = 0; kk < B_r / 16; kk++) wgmma_rs_cols<T, d>(dV_j, P_frag[kk], dO_s(s) + kk * 2048, B_r * 128);
-        for (int kk = 0; kk < B_r / 16; kk++) wgmma_rs_cols<T, d>(dK_j, dS_frag[kk], Q_s(s) + kk * 2048, B_r * 128);
+        for (int kk = 0; kk < B_r / 16; kk++) wgmma_rs_cols<T, d>(dV_j, P_frag[kk], tiles.dO(s) + kk * 2048, B_r * 128);
+        for (int kk = 0; kk < B_r / 16; kk++) wgmma_rs_cols<T, d>(dK_j, dS_frag[kk], tiles.Q(s) + kk * 2048, B_r * 128);
       } else {
         for (int kk = 0; kk < B_r / 16; kk++)
-          wgmma_ss_cols<T, ND, align, 0>(dV_j, smem_desc(P_s(i) + key0 * 128 + kk * 32, 0), dO_s(s) + kk * 2048, n0,
-                                         B_r * 128, true);
+          wgmma_ss_cols<T, ND, align, 0>(dV_j, smem_desc(tiles.P(i) + key0 * 128 + kk * 32, 0), tiles.dO(s) + kk * 2048,
+                                         n0, B_r * 128, true);
         for (int kk = 0; kk < B_r / 16; kk++)
-          wgmma_ss_cols<T, ND, align, 0>(dK_j, smem_desc(dS_s(i) + key0 * 128 + kk * 32, 0), Q_s(s) + kk * 2048, n0,
-                                         B_r * 128, true);
+          wgmma_ss_cols<T, ND, align, 0>(dK_j, smem_desc(tiles.dS(i) + key0 * 128 + kk * 32, 0), tiles.Q(s) + kk * 2048,
+                                         n0, B_r * 128, true);
       }
       wgmma_commit();
     };
-    // dQ_i's piece = dS_ij K_j (l.15), added into dQ: this consumer's columns (wg-1) d/2 .., DQ at a time (two
-    // passes at d = 256: at most 64 registers beside dK_j and dV_j). Slice kk: keys 16kk.., rows of dS^T
-    // (M-major) and of K_j (N-major)
-    constexpr int DQ = d / 2 > 96 ? d / 4 : d / 2;
-    auto dQ_piece = [&](int i) {
-      for (int pass = 0; pass < d / 2 / DQ; pass++) {
-        const int c0 = (wg - 1) * d / 2 + pass * DQ;
-        float dQ_i[DQ / 8][4];
-        wgmma_fence();
-        for (int kk = 0; kk < B_c / 16; kk++)
-          wgmma_ss_cols<T, DQ, DQ & -DQ, 1>(dQ_i, smem_desc(dS_s(i) + 16 * kk * 128, 0), K_s + 16 * kk * 128, c0,
-                                           B_c * 128, kk > 0);
-        wgmma_commit();
-        wgmma_wait<0>(dQ_i);
-        if constexpr (dQ_staged(d)) {  // into the tile, which warp 2 adds into dQ
-          asm volatile("bar.sync 3, 288;" ::: "memory");  // warp 2 has finished reading the tile (block i-1)
-          store_panels_fp32<DQ>(dQ_s, B_r * 128, dQ_i, dS_scale, 16 * warp + g, c0, g, t);
-          asm volatile("fence.proxy.async.shared::cta;" ::: "memory");  // the stores are visible to TMA
-          asm volatile("bar.arrive 2, 288;" ::: "memory");
-        } else {
-          float* dQ_h = dQ + mask.row_index() * d;
-          for (int h = 0; h < 2; h++) {
-            const int r = i * B_r + 16 * warp + g + 8 * h;  // dQ_i's rows are queries: this lane's are r, r + 8
-            if (r < N_q)
-              for (int nt = 0; nt < DQ / 8; nt++)
-                atomic_add_pair(&dQ_h[(size_t)r * d + c0 + 8 * nt + 2 * t], dS_scale * dQ_i[nt][2 * h],
-                                dS_scale * dQ_i[nt][2 * h + 1]);
-          }
-        }
-      }
-    };
     auto release = [&](int i) {  // every consumer thread has finished reading block i's stage (L_i and D_i
-      mbar_arrive(empty(stage(i)));  // included: each thread arrives after its own reads)
+      mbar_arrive(tiles.empty(tiles.stage(i)));  // included: each thread arrives after its own reads)
     };
     // l.11 and l.14 for block i on the CUDA cores, in place: S_ij^T becomes P_ij^T = exp(S_ij - L_i), dP_ij^T
     // becomes dS_ij^T = P_ij o (dP_ij - D_i). Three groups are in flight: S^T, dP^T and the previous dV, dK.
@@ -2593,7 +2636,7 @@ flash_bwd_hopper(const __grid_constant__ CUtensorMap Q_map, const __grid_constan
     // is there (its derivative needs S_ij).
     auto P_and_dS = [&](int i) {
       const int row0 = i * B_r + q0;  // this consumer's first query
-      const float* L_i = reinterpret_cast<const float*>(__cvta_shared_to_generic(LD_s(stage(i)))) + q0;
+      const float* L_i = reinterpret_cast<const float*>(__cvta_shared_to_generic(tiles.LD(tiles.stage(i)))) + q0;
       const float* D_i = L_i + B_r;
       auto q = [&](int nt, int e) { return 8 * nt + 2 * t + e % 2; };  // the query, from row0
       // dropout (the first paper's Algorithm 4): with Z_ij = s keep_ij, s = 1 / (1 - p), dS_ij = s P_ij o (dP_ij o
@@ -2650,11 +2693,12 @@ flash_bwd_hopper(const __grid_constant__ CUtensorMap Q_map, const __grid_constan
       if constexpr (P_in_registers(d))
         to_A_fragments<T, NQ>(P_frag, S), to_A_fragments<T, NQ>(dS_frag, dP);
       else
-        store_panels<T, NQ>(P_s(i), 0, S, key0 + 16 * warp + g, q0, g, t);
-      store_panels<T, NQ>(dS_s(i), 0, dP, key0 + 16 * warp + g, q0, g, t);
+        store_panels<T, NQ>(tiles.P(i), 0, S, key0 + 16 * warp + g, q0, g, t);
+      store_panels<T, NQ>(tiles.dS(i), 0, dP, key0 + 16 * warp + g, q0, g, t);
       asm volatile("fence.proxy.async.shared::cta;" ::: "memory");  // the stores are visible to wgmma
       asm volatile("bar.sync 1, 256;" ::: "memory");  // both consumers have stored dS_ij^T
-      if (!DETERMINISTIC) dQ_piece(i);  // (else dQ comes from flash_bwd_dq_ampere)
+      if (!DETERMINISTIC)  // l.15: dQ_i += dS_ij K_j (else dQ comes from flash_bwd_dq_ampere)
+        bwd_hopper_dQ(tiles, i, wg, 16 * warp + g, g, t, dS_scale, dQ, mask);
     };
 
     // Nothing is in flight across the loop's back edge, so that the compiler can keep the accumulators in
@@ -2663,7 +2707,7 @@ flash_bwd_hopper(const __grid_constant__ CUtensorMap Q_map, const __grid_constan
     // issue the same pieces (at different columns): with one fence before a branch on the consumer, ptxas added a
     // warpgroup.arrive of its own inside it and then waited after every wgmma of the kernel (its messages C7519 and
     // C7520), and with different pieces on two paths it did the same for want of registers (C7511).
-    mbar_wait(KV_full, 0);
+    mbar_wait(tiles.KV_full(), 0);
     if constexpr (KV_in_registers) load_KV_fragments();
     issue_S_dP(i_start);
     wgmma_commit();  // an empty group in place of dV, dK keeps P_and_dS's counting
@@ -3325,11 +3369,7 @@ void bwd_hopper(const at::Tensor& Q, const at::Tensor& K, const at::Tensor& V, c
   // takes 226 KB at d = 256.
   constexpr int B_r = 64, B_c = d <= 128 ? 128 : 64, STAGES = d <= 64 ? 3 : 2;
   const int N_k = sc.mask.N_k;  // (a packed batch: the longest sequence's)
-  // K_j, V_j; STAGES stages of Q_i, dO_i, L_i, D_i; two buffers of dS_ij^T and (past d = 64) of P_ij^T; the dQ_i
-  // tile; the mbarriers; 1 KB of slack to align the tiles to 1024 bytes
-  const size_t smem = (2 * B_c + 2 * STAGES * B_r) * 128 * panels(d) +
-                      sizeof(T) * (P_in_registers(d) ? 2 : 4) * B_c * B_r + (dQ_staged(d) ? B_r * d * 4 : 0) +
-                      STAGES * 2 * B_r * 4 + 8 * (1 + 2 * STAGES) + 1024;
+  const size_t smem = BwdTiles<T, d, B_c, STAGES>::bytes;
   launch(flash_bwd_hopper<T, d, B_c, STAGES>, grid((N_k + B_c - 1) / B_c, Q, sc), 384, smem, stream, tensor_map(Q, B_r),
          tensor_map(K, B_c), tensor_map(V, B_c), tensor_map(dO, B_r), tensor_map(dQ, B_r), tensor_map(dK, B_c),
          tensor_map(dV, B_c), ptr<float>(L), ptr<float>(D), ptr<float>(dQ), rows<T>(dK, sc.mask.cu_k),
