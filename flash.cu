@@ -2397,6 +2397,10 @@ struct BwdTiles {
   __device__ uint32_t empty(int s) const { return KV_full() + 8 * (1 + STAGES + s); }   // stage s has been read
   __device__ int stage(int i) const { return (i - i_start) % STAGES; }
   __device__ int round(int i) const { return (i - i_start) / STAGES; }
+  __device__ void wait_full(int i) const { mbar_wait(full(stage(i)), round(i) % 2); }  // block i has landed
+  __device__ void wait_empty(int i) const {  // block i - STAGES is out of block i's stage (the first round: free)
+    if (round(i) > 0) mbar_wait(empty(stage(i)), (round(i) - 1) % 2);
+  }
 };
 
 // The hopper backward's producer warpgroup, for query blocks i_start .. i_end-1 of the key block at col0. Thread 0
@@ -2408,7 +2412,7 @@ __device__ void bwd_hopper_producer(const BwdTiles<T, d, B_c, STAGES>& tiles, co
                                     const CUtensorMap& K_map, const CUtensorMap& V_map, const CUtensorMap& dO_map,
                                     const CUtensorMap& dQ_map, const float* L, const float* D, const Scores& sc,
                                     int group, int col0, int i_end) {
-  constexpr int B_r = 64;
+  constexpr int B_r = BwdTiles<T, d, B_c, STAGES>::B_r;
   const Mask& mask = sc.mask;
   asm volatile("setmaxnreg.dec.sync.aligned.u32 24;");
   if (threadIdx.x == 0) {
@@ -2420,8 +2424,8 @@ __device__ void bwd_hopper_producer(const BwdTiles<T, d, B_c, STAGES>& tiles, co
       tma_load(tiles.V() + c * B_c * 128, V_map, 64 * c, keys, col0, h_kv, tiles.KV_full());
     }
     for (int i = tiles.i_start; i < i_end; i++) {                               // l.9: load Q_i, dO_i
-      const int s = tiles.stage(i), round = tiles.round(i);
-      if (round > 0) mbar_wait(tiles.empty(s), (round - 1) % 2);  // block i - STAGES is out of stage s
+      const int s = tiles.stage(i);
+      tiles.wait_empty(i);
       mbar_arrive_expect_bytes(tiles.full(s), 2 * tiles.Q_bytes);
       for (int c = 0; c < panels(d); c++) {
         tma_load(tiles.Q(s) + c * B_r * 128, Q_map, 64 * c, queries, i * B_r, h, tiles.full(s));
@@ -2430,8 +2434,8 @@ __device__ void bwd_hopper_producer(const BwdTiles<T, d, B_c, STAGES>& tiles, co
     }
   } else if (threadIdx.x / 32 == 1) {  // warp 1: L_i and D_i
     for (int i = tiles.i_start; i < i_end; i++) {
-      const int s = tiles.stage(i), round = tiles.round(i);
-      if (round > 0) mbar_wait(tiles.empty(s), (round - 1) % 2);
+      const int s = tiles.stage(i);
+      tiles.wait_empty(i);
       copy_L_D<B_r>(reinterpret_cast<float*>(__cvta_shared_to_generic(tiles.LD(s))), L + mask.row_index(),
                     D + mask.row_index(), i * B_r, mask.N_q, 1.f / sc.dropout.scale);
       mbar_arrive(tiles.full(s));
@@ -2463,7 +2467,7 @@ __device__ void bwd_hopper_producer(const BwdTiles<T, d, B_c, STAGES>& tiles, co
 template <typename T, int d, int B_c, int STAGES>
 __device__ void bwd_hopper_dQ(const BwdTiles<T, d, B_c, STAGES>& tiles, int i, int wg, int row, int g, int t,
                               float dS_scale, float* dQ, const Mask& mask) {
-  constexpr int B_r = 64, DQ = d / 2 > 96 ? d / 4 : d / 2;
+  constexpr int B_r = BwdTiles<T, d, B_c, STAGES>::B_r, DQ = d / 2 > 96 ? d / 4 : d / 2;
   for (int pass = 0; pass < d / 2 / DQ; pass++) {
     const int c0 = (wg - 1) * d / 2 + pass * DQ;
     float dQ_i[DQ / 8][4];
@@ -2537,7 +2541,7 @@ flash_bwd_hopper(const __grid_constant__ CUtensorMap Q_map, const __grid_constan
 #if SM90A
   constexpr bool split_keys = B_c == 128;  // the consumers split the keys (else the columns: see above)
   static_assert(split_keys ? d <= 128 : B_c == 64, "B_c = 128 up to d = 128, else 64");
-  constexpr int B_r = 64;
+  constexpr int B_r = BwdTiles<T, d, B_c, STAGES>::B_r;
   constexpr int NQ = split_keys ? B_r : B_r / 2;    // queries of S_ij^T, dP_ij^T per consumer
   constexpr int ND = split_keys ? d : d / 2;        // columns of dV_j, dK_j per consumer
   const Mask mask = sc.mask = sc.mask.sequence();
@@ -2586,7 +2590,7 @@ flash_bwd_hopper(const __grid_constant__ CUtensorMap Q_map, const __grid_constan
     // is 32 bytes * (kk % 4) into panel kk / 4 of each operand, as in the forward
     auto issue_S_dP = [&](int i) {
       const int s = tiles.stage(i);
-      mbar_wait(tiles.full(s), tiles.round(i) % 2);  // Q_i, dO_i, L_i and D_i have landed
+      tiles.wait_full(i);  // Q_i, dO_i, L_i and D_i have landed
       // K_j's and V_j's addresses as values the compiler cannot see through, so that it makes their descriptors
       // here: hoisted out of the loop, the d/8 descriptors held 64-bit registers, and at d = 256 others spilled
       uint32_t K = K_s, V = V_s;
