@@ -16,6 +16,8 @@
     python bench.py --kernels hopper,ampere,sdpa-flash,sdpa-cudnn,fp8,fp8-kernel,fp8-vt-kernel,int8,int8-kernel \
         --modes fwd --dtype bf16 --seqlens 1024,4096,16384 --out docs/benchmarks/8bit \
         --markdown docs/benchmarks-8bit.md     # 8-bit attention against the 16-bit kernels
+    python bench.py --kernels hopper,sdpa,sdpa-flash,sdpa-cudnn --dtype fp16,bf16 --d 64,128 --seqlens 1024,4096,16384 \
+        --modes fwd,fwd_bwd --out docs/benchmarks/cudnn --markdown docs/benchmarks-cudnn.md  # the hopper kernels, cuDNN
     python bench.py --model --kernels hopper,sdpa,sdpa-flash,sdpa-cudnn --out docs/benchmarks \
         --markdown docs/benchmarks.md          # a compiled nanoGPT-style training step, attention by each system
 
