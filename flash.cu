@@ -3371,13 +3371,14 @@ void bwd_hopper(const at::Tensor& Q, const at::Tensor& K, const at::Tensor& V, c
   // d <= 64: a third stage of Q_i, dO_i was faster; at d = 128 it gained nothing, and would take the shared
   // memory to 226 KB. B_c = 128 up to d = 128, else 64 (the consumers split columns: see the kernel), which
   // takes 226 KB at d = 256.
-  constexpr int B_r = 64, B_c = d <= 128 ? 128 : 64, STAGES = d <= 64 ? 3 : 2;
+  constexpr int B_c = d <= 128 ? 128 : 64, STAGES = d <= 64 ? 3 : 2;
+  using Tiles = BwdTiles<T, d, B_c, STAGES>;  // (B_r and the shared memory's bytes)
+  constexpr int B_r = Tiles::B_r;
   const int N_k = sc.mask.N_k;  // (a packed batch: the longest sequence's)
-  const size_t smem = BwdTiles<T, d, B_c, STAGES>::bytes;
-  launch(flash_bwd_hopper<T, d, B_c, STAGES>, grid((N_k + B_c - 1) / B_c, Q, sc), 384, smem, stream, tensor_map(Q, B_r),
-         tensor_map(K, B_c), tensor_map(V, B_c), tensor_map(dO, B_r), tensor_map(dQ, B_r), tensor_map(dK, B_c),
-         tensor_map(dV, B_c), ptr<float>(L), ptr<float>(D), ptr<float>(dQ), rows<T>(dK, sc.mask.cu_k),
-         rows<T>(dV, sc.mask.cu_k), sc, group(Q, K), scale);
+  launch(flash_bwd_hopper<T, d, B_c, STAGES>, grid((N_k + B_c - 1) / B_c, Q, sc), 384, Tiles::bytes, stream,
+         tensor_map(Q, B_r), tensor_map(K, B_c), tensor_map(V, B_c), tensor_map(dO, B_r), tensor_map(dQ, B_r),
+         tensor_map(dK, B_c), tensor_map(dV, B_c), ptr<float>(L), ptr<float>(D), ptr<float>(dQ),
+         rows<T>(dK, sc.mask.cu_k), rows<T>(dV, sc.mask.cu_k), sc, group(Q, K), scale);
 }
 #define KERNEL "hopper"
 #define HAS_BACKWARD
