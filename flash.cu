@@ -1210,7 +1210,7 @@ __device__ void mma_m16n8k32_s8(float (&d)[4], const uint32_t (&a)[4], uint32_t 
 // the float SUM_START + n, from which one FADD recovers n exactly. With the loads of l.7 in one lambda (load_KV),
 // this FADD in place of an I2FP leaves the int8 kernel 20 bytes of spills at d = 128 where it had 48, and it ran
 // 1.06-1.08x faster there (H200; neither change alone gave more than 1.04x: notebook 11, section 7).
-constexpr float SUM_START = 12582912.f;
+[[maybe_unused]] constexpr float SUM_START = 12582912.f;  // (unused by the 16-bit builds)
 // S_ij's product over one 32-byte k slice: 16 values of T, or 32 of int8 (TQK = signed char)
 template <typename TQK>
 __device__ void mma_qk(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
