@@ -1695,7 +1695,7 @@ flash_bwd_dq_ampere(Rows<const T> Q, Rows<const T> K, Rows<const T> V, Rows<cons
 // seqlens_k (B), if given, is each sequence's own number of keys (a KV cache with room to spare); tickets, with
 // several splits, one int per tile (B * H_kv * tiles), zero at launch and left zero.
 // DecodeBlock holds what the Ampere and Hopper decoding kernels share; they differ in how K_j, V_j arrive.
-template <typename T, int d>
+template <typename T, int d, int NW>
 struct DecodeBlock {
   static constexpr int B_c = 64, ld = d + 8;  // keys per block; row stride of the queries in shared memory
   static constexpr int MAX_SPLITS = 128;          // (merge_row holds MAX_SPLITS / 32 of L_s per lane)
@@ -1720,9 +1720,8 @@ struct DecodeBlock {
   // Alg.1 l.4: load Q_i, the 16 rows, into Q_s (zero past the last). Q_i stays there: each step reads its A
   // fragments again (d/16 ldmatrix per block of 64 keys, beside the loads of K_j and V_j that bound decoding),
   // which leaves the registers to O_i (d/2 per thread) and keeps d = 256 free of spills.
-  template <int n_threads>
   __device__ void load_queries(T* Q_s, Rows<const T> Q) const {
-    for (int idx = threadIdx.x; idx < 16 * d / 8; idx += n_threads) {
+    for (int idx = threadIdx.x; idx < 16 * d / 8; idx += NW * 32) {
       const int r = idx / (d / 8), c = 8 * (idx % (d / 8)), x = row0 + r;
       uint4 q = make_uint4(0, 0, 0, 0);
       if (x < rows) q = *reinterpret_cast<const uint4*>(Q.ptr + blockIdx.z * Q.stride_b + head(x) * Q.stride_h +
@@ -1761,15 +1760,15 @@ struct DecodeBlock {
     }
   }
 
-  // The 4 warps' parts merged, m = max_w m_w, l = sum_w e^(m_w - m) l_w, O = sum_w e^(m_w - m) O_w, through
-  // `scratch` (4 * 16 * (d + 2) floats of shared memory), then Alg.1 l.12-15; or, with several splits, this
-  // split's part, and the last split of the tile to finish merges them all (merge_row). Called by all 128 threads.
+  // The NW warps' parts merged, m = max_w m_w, l = sum_w e^(m_w - m) l_w, O = sum_w e^(m_w - m) O_w, through
+  // `scratch` (NW * 16 * (d + 2) floats of shared memory), then Alg.1 l.12-15; or, with several splits, this
+  // split's part, and the last split of the tile to finish merges them all (merge_row). Called by all threads.
   __device__ void write(float* scratch, const float (&O_i)[d / 8][4], const float (&m_i)[2], float (&l_i)[2],
                         Rows<T> O, float* L, float* O_part, float* L_part, int* tickets) const {
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
-    float* m_s = scratch;       // (4, 16)     each warp's m_i
-    float* l_s = m_s + 4 * 16;  // (4, 16)     each warp's l_i
-    float* O_s = l_s + 4 * 16;  // (4, 16, d)  each warp's O_i (not divided by l_i)
+    float* m_s = scratch;        // (NW, 16)     each warp's m_i
+    float* l_s = m_s + NW * 16;  // (NW, 16)     each warp's l_i
+    float* O_s = l_s + NW * 16;  // (NW, 16, d)  each warp's O_i (not divided by l_i)
     for (int h = 0; h < 2; h++) {
       l_i[h] += __shfl_xor_sync(~0u, l_i[h], 1);  // the row's sum over the 4 lanes of its quad
       l_i[h] += __shfl_xor_sync(~0u, l_i[h], 2);
@@ -1779,12 +1778,12 @@ struct DecodeBlock {
         *reinterpret_cast<float2*>(&O_s[x * d + 8 * nt + 2 * t]) = make_float2(O_i[nt][2 * h], O_i[nt][2 * h + 1]);
     }
     __syncthreads();  // every warp's part is in shared memory
-    for (int idx = threadIdx.x; idx < 16 * d / 2; idx += 128) {  // two columns c, c + 1 of row row0 + x
+    for (int idx = threadIdx.x; idx < 16 * d / 2; idx += NW * 32) {  // two columns c, c + 1 of row row0 + x
       const int x = idx / (d / 2), c = 2 * (idx % (d / 2));
       if (row0 + x >= rows) break;
       float m = M_START, l = 0.f, o0 = 0.f, o1 = 0.f;
-      for (int w = 0; w < 4; w++) m = fmaxf(m, m_s[16 * w + x]);
-      for (int w = 0; w < 4; w++) {
+      for (int w = 0; w < NW; w++) m = fmaxf(m, m_s[16 * w + x]);
+      for (int w = 0; w < NW; w++) {
         const float f = exp2_ftz(m_s[16 * w + x] - m);
         l += f * l_s[16 * w + x], o0 += f * O_s[(16 * w + x) * d + c], o1 += f * O_s[(16 * w + x) * d + c + 1];
       }
@@ -1814,7 +1813,7 @@ struct DecodeBlock {
     __syncthreads();  // every thread knows
     if (!*last) return;
     __threadfence();  // (the other splits' parts are read after their tickets)
-    for (int x = row0 + warp; x < min(row0 + 16, rows); x += 4) merge_row(x, O_part, L_part, O, L);
+    for (int x = row0 + warp; x < min(row0 + 16, rows); x += NW) merge_row(x, O_part, L_part, O, L);
   }
 
   // Split-KV's merge of row x by the splits' L (reference.merge; notebook 03 proves the rule):
@@ -1863,7 +1862,7 @@ __global__ void __launch_bounds__(128)
 flash_decode(Rows<const T> Q, Rows<const T> K, Rows<const T> V, Rows<T> O, float* __restrict__ L,
              float* __restrict__ O_part, float* __restrict__ L_part, Scores sc, const int* __restrict__ seqlens_k,
              int G, int* tickets) {
-  using Block = DecodeBlock<T, d>;
+  using Block = DecodeBlock<T, d, 4>;
   constexpr int B_c = Block::B_c, ld = Block::ld;
   extern __shared__ __align__(16) unsigned char smem_raw[];
   T* Q_s = reinterpret_cast<T*>(smem_raw);  // the tile's 16 query rows    (16, d)                row stride ld
@@ -1881,7 +1880,7 @@ flash_decode(Rows<const T> Q, Rows<const T> K, Rows<const T> V, Rows<T> O, float
     if (j_begin + s < j_end) load_KV(j_begin + s, s);
     cp_async_commit();
   }
-  block.template load_queries<128>(Q_s, Q);                                     // l.4
+  block.load_queries(Q_s, Q);                                                    // l.4
   float O_i[d / 8][4] = {}, m_i[2] = {M_START, M_START}, l_i[2] = {0.f, 0.f};  // l.5
   for (int j = j_begin; j < j_end; j++) {                                        // l.6
     const int s = (j - j_begin) % STAGES;
@@ -2755,30 +2754,39 @@ flash_bwd_hopper(const __grid_constant__ CUtensorMap Q_map, const __grid_constan
 #endif
 }
 
-// Decoding on Hopper: flash_decode (section 6) with K_j and V_j copied by TMA. The same rows, splits, warps and
-// steps (DecodeBlock); thread 0 also issues the copies: one TMA copy per 64-column panel of K_j and of V_j into
-// STAGES mbarrier stages, each warp arriving on the stage's `empty` barrier once it has read it, as the
-// hopper forward's consumers do. No thread spends instructions on addresses or copies, and the copies are
-// whole tiles. The stages hold the tiles with the 128-byte swizzle: piece p of key row r of a panel sits at
-// piece p ^ (r % 8) of the row (see this section's introduction), and the ldmatrix addresses follow it.
+// Decoding on Hopper: flash_decode (section 6) with K_j and V_j copied by TMA, and twice the warps. The same
+// rows, splits and steps (DecodeBlock), but 8 warps in two sets of 4 that take turns: set 0 reads the even key
+// blocks of the split, set 1 the odd ones, each warp 16 keys of a block. A set's step is one chain of dependent
+// ldmatrix, mma and softmax instructions, and with one warp per SM sub-partition nothing else would issue while
+// it waits (two sets: 1-2% faster on an H200; notebook 09, section 7). Thread 0 of each set issues the copies of
+// the stages its set frees: one TMA copy per 64-column panel of K_j and of V_j into STAGES mbarrier stages,
+// each warp arriving on the stage's `empty` barrier once it has read it, as the hopper forward's consumers do.
+// No thread spends instructions on addresses or copies, and the copies are whole tiles. The stages hold the
+// tiles with the 128-byte swizzle: piece p of key row r of a panel sits at piece p ^ (r % 8) of the row (see
+// this section's introduction), and the ldmatrix addresses follow it.
 template <typename T, int d, int STAGES>
-__global__ void __launch_bounds__(128, 1)
+__global__ void __launch_bounds__(256, 1)
 flash_decode_hopper(Rows<const T> Q, const __grid_constant__ CUtensorMap K_map, const __grid_constant__ CUtensorMap V_map,
                     Rows<T> O, float* __restrict__ L, float* __restrict__ O_part, float* __restrict__ L_part, Scores sc,
                     const int* __restrict__ seqlens_k, int G, int* tickets) {
 #if SM90A
-  using Block = DecodeBlock<T, d>;
+  using Block = DecodeBlock<T, d, 8>;
+  // An even number of stages keeps each stage to one set, whose warps read its blocks in order: with an odd one,
+  // a set could pass the other set's block in a stage and wait for its own next one there before the other's
+  // had landed, on a barrier phase of the same parity, already complete.
+  static_assert(STAGES % 2 == 0, "each stage belongs to one set");
   constexpr int B_c = Block::B_c;
   constexpr uint32_t tile_bytes = B_c * 128 * panels(d);  // K_j or V_j: panels of (B_c, 128 bytes)
   extern __shared__ unsigned char smem_raw[];
   const uint32_t KV_s = (smem_addr(smem_raw) + 1023) & ~1023u;  // stage s: K_j, then V_j (swizzling: 1024-aligned)
   auto K_s = [&](int s) { return KV_s + 2 * s * tile_bytes; };
   auto V_s = [&](int s) { return K_s(s) + tile_bytes; };
-  const uint32_t bars = KV_s + 2 * STAGES * tile_bytes;  // then the mbarriers, 8 bytes each
+  constexpr uint32_t parts_bytes = 8 * 16 * (d + 2) * sizeof(float);  // the warps' parts, in the stages at the end
+  const uint32_t bars = KV_s + max(2 * STAGES * tile_bytes, parts_bytes);  // then the mbarriers, 8 bytes each
   auto full = [&](int s) { return bars + 8 * s; };
   auto empty = [&](int s) { return bars + 8 * (STAGES + s); };
   T* Q_s = reinterpret_cast<T*>(__cvta_shared_to_generic(bars + 16 * STAGES));  // (16, d) row stride d + 8
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, set = warp / 4, keys = 16 * (warp % 4);
   const Block block(G, sc, seqlens_k);
   const int j_begin = block.j_begin, n_blocks = block.j_end - block.j_begin, N_k = block.sc.mask.N_k;
 
@@ -2795,15 +2803,15 @@ flash_decode_hopper(Rows<const T> Q, const __grid_constant__ CUtensorMap K_map, 
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");  // initialised before TMA signals them
     for (int n = 0; n < min(STAGES, n_blocks); n++) load_KV(n);
   }
-  block.template load_queries<128>(Q_s, Q);  // l.4 (its barrier also publishes the mbarriers)
+  block.load_queries(Q_s, Q);  // l.4 (its barrier also publishes the mbarriers)
   // Piece p (16 bytes) of key row r of this warp, in panel p / 8 of stage s's tile at `tile`, swizzled
   auto piece = [&](uint32_t tile, int r, int p) {
-    const int row = 16 * warp + r;
+    const int row = keys + r;
     return __cvta_shared_to_generic(tile + p / 8 * B_c * 128 + row * 128 + ((p % 8) ^ (row % 8)) * 16);
   };
   float O_i[d / 8][4] = {}, m_i[2] = {M_START, M_START}, l_i[2] = {0.f, 0.f};  // l.5
-  for (int n = 0; n < n_blocks; n++) {                                           // l.6
-    const int s = n % STAGES, c0 = (j_begin + n) * B_c + 16 * warp;  // c0: the warp's first key
+  for (int n = set; n < n_blocks; n += 2) {                                      // l.6, the set's blocks
+    const int s = n % STAGES, c0 = (j_begin + n) * B_c + keys;  // c0: the warp's first key
     mbar_wait(full(s), n / STAGES % 2);  // K_j and V_j have landed
     if (c0 + 16 > N_k) {  // a cache with room to spare holds anything past N_k: its V rows, weighed 0, must be
       for (int r = max(0, N_k - c0); r < 16; r++)  // finite (0 * NaN = NaN), so zero them
@@ -2815,8 +2823,8 @@ flash_decode_hopper(Rows<const T> Q, const __grid_constant__ CUtensorMap K_map, 
                [&](int r, int p) { return piece(V_s(s), r, p); });  // l.8-10
     __syncwarp();
     if (lane == 0) mbar_arrive(empty(s));  // this warp has finished reading stage s
-    if (threadIdx.x == 0 && n + STAGES < n_blocks) {
-      mbar_wait(empty(s), n / STAGES % 2);  // every warp has: refill it
+    if (threadIdx.x % 128 == 0 && n + STAGES < n_blocks) {
+      mbar_wait(empty(s), n / STAGES % 2);  // every warp of the set has: refill it
       load_KV(n + STAGES);
     }
   }
@@ -3193,9 +3201,10 @@ void launch_preprocess(const at::Tensor& O, const at::Tensor& dO, at::Tensor& D,
 #if defined(BUILD_hopper) || defined(BUILD_hopper_fp8)
 // A TMA tensor map of X (B, H, N, d) with its own strides (multiples of 16 bytes: main.py checks): boxes of
 // (rows, 128 bytes), 64 16-bit, 128 8-bit or 32 fp32 elements, stored with the 128-byte swizzle; rows past N read
-// as zeros.
+// as zeros. promotion: how much L2 fetches from memory for a request that misses (see decode for why it matters).
 // The driver function that encodes it is looked up at run time, so the extension needs no link against libcuda.
-CUtensorMap tensor_map(const at::Tensor& X, int rows) {
+CUtensorMap tensor_map(const at::Tensor& X, int rows,
+                       CUtensorMapL2promotion promotion = CU_TENSOR_MAP_L2_PROMOTION_L2_256B) {
   static PFN_cuTensorMapEncodeTiled_v12000 encode = nullptr;
   if (!encode) {
     cudaDriverEntryPointQueryResult found;
@@ -3214,8 +3223,7 @@ CUtensorMap tensor_map(const at::Tensor& X, int rows) {
                                     : X.scalar_type() == at::kHalf ? CU_TENSOR_MAP_DATA_TYPE_FLOAT16
                                                                    : CU_TENSOR_MAP_DATA_TYPE_BFLOAT16,
                               4, X.data_ptr(), dims, strides, box, steps, CU_TENSOR_MAP_INTERLEAVE_NONE,
-                              CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
-                              CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+                              CU_TENSOR_MAP_SWIZZLE_128B, promotion, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
   TORCH_CHECK(err == CUDA_SUCCESS, "cuTensorMapEncodeTiled failed with CUresult ", int(err));
   return map;
 }
@@ -3426,20 +3434,28 @@ void decode(const at::Tensor& Q, const at::Tensor& K, const at::Tensor& V, at::T
             const int* seqlens_k, const Scores& sc, cudaStream_t stream)
 #if defined(BUILD_ampere) || defined(BUILD_hopper)
 {
-  constexpr int B_c = DecodeBlock<T, d>::B_c;
+  constexpr int B_c = DecodeBlock<T, d, 4>::B_c;
   const int B = Q.size(0), H_q = Q.size(1), N_q = Q.size(2), H_kv = K.size(1), N_k = K.size(2), G = H_q / H_kv;
   // Four stages: on an H100, one block per SM (2-11% faster than three stages and two blocks with cp.async);
   // fewer where a block gets less shared memory (99 KB on sm_86 and sm_89, and d = 256 on an H100)
 #if defined(BUILD_hopper)
-  // 1 KB of slack to align the tiles to 1024 bytes, STAGES stages of K_j and V_j (128 KB at d = 128), the
-  // mbarriers, the queries
-  const size_t smem = 1024 + 2 * STAGES * B_c * 128 * panels(d) + 16 * STAGES + 16 * (d + 8) * sizeof(T);
-  if constexpr (STAGES > 2)
-    if (smem > max_smem_per_block()) return decode<T, d, STAGES - 1>(Q, K, V, O, L, seqlens_k, sc, stream);
+  // 1 KB of slack to align the tiles to 1024 bytes, STAGES stages of K_j and V_j (128 KB at d = 128), which then
+  // take the 8 warps' parts (DecodeBlock::write), the mbarriers, the queries
+  const size_t stage_bytes = 2 * STAGES * B_c * 128 * panels(d), parts_bytes = 8 * 16 * (d + 2) * sizeof(float);
+  const size_t smem = 1024 + std::max(stage_bytes, parts_bytes) + 16 * STAGES + 16 * (d + 8) * sizeof(T);
+  constexpr int threads = 256;
+  if constexpr (STAGES > 2)  // (an even count: see flash_decode_hopper)
+    if (smem > max_smem_per_block()) return decode<T, d, STAGES - 2>(Q, K, V, O, L, seqlens_k, sc, stream);
   const auto kernel = flash_decode_hopper<T, d, STAGES>;
-  const auto K_arg = tensor_map(K, B_c), V_arg = tensor_map(V, B_c);
+  // L2 promotion to 128 bytes, not the 256 of the other kernels' maps: K_j's rows are 256 bytes at d = 128, split
+  // over two panels and two copies, and with promotion to 256 bytes decoding streams the cache 7-8% slower (on
+  // an H200 at B = 8, H_kv = 32, N_k = 32768: 1017 us against 943; SDPA's default 934). Likely each copy's misses
+  // fetch the other panel's half of every row too, and that copy fetches it again before the first fill lands.
+  constexpr auto promotion = CU_TENSOR_MAP_L2_PROMOTION_L2_128B;
+  const auto K_arg = tensor_map(K, B_c, promotion), V_arg = tensor_map(V, B_c, promotion);
 #else
   const size_t smem = sizeof(T) * (16 + 2 * STAGES * B_c) * (d + 8);  // 143 KB at d = 128
+  constexpr int threads = 128;
   if constexpr (STAGES > 2)
     if (smem > max_smem_per_block()) return decode<T, d, STAGES - 1>(Q, K, V, O, L, seqlens_k, sc, stream);
   const auto kernel = flash_decode<T, d, STAGES>;
@@ -3459,7 +3475,7 @@ void decode(const at::Tensor& Q, const at::Tensor& K, const at::Tensor& V, at::T
     int sms, per_sm;
     CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
     CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
-    CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, 128, smem));
+    CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, threads, smem));
     slots[device] = sms * per_sm;
   }
   const int tiles = (G * N_q + 15) / 16, T_c = (N_k + B_c - 1) / B_c, blocks = B * H_kv * tiles;
@@ -3468,11 +3484,11 @@ void decode(const at::Tensor& Q, const at::Tensor& K, const at::Tensor& V, at::T
     return waves * ((T_c + splits - 1) / splits + 2);
   };
   int splits = 1;
-  for (int s = 2; s <= std::min(T_c / 2, DecodeBlock<T, d>::MAX_SPLITS); s++)
+  for (int s = 2; s <= std::min(T_c / 2, DecodeBlock<T, d, 4>::MAX_SPLITS); s++)
     if (cost(s) < cost(splits)) splits = s;
   const dim3 grid(splits, H_kv * tiles, B);
   if (splits == 1) {
-    launch(kernel, grid, 128, smem, stream, rows<const T>(Q), K_arg, V_arg, rows<T>(O),
+    launch(kernel, grid, threads, smem, stream, rows<const T>(Q), K_arg, V_arg, rows<T>(O),
            ptr<float>(L), nullptr, nullptr, sc, seqlens_k, G, nullptr);
     return;
   }
@@ -3485,7 +3501,7 @@ void decode(const at::Tensor& Q, const at::Tensor& K, const at::Tensor& V, at::T
   static auto* tickets = new std::map<std::pair<int, cudaStream_t>, at::Tensor>;  // (never destroyed: at exit
   at::Tensor& ours = (*tickets)[{device, stream}];                               // CUDA may be gone first)
   if (!ours.defined() || ours.numel() < blocks) ours = at::zeros({blocks}, Q.options().dtype(at::kInt));
-  launch(kernel, grid, 128, smem, stream, rows<const T>(Q), K_arg, V_arg, rows<T>(O),
+  launch(kernel, grid, threads, smem, stream, rows<const T>(Q), K_arg, V_arg, rows<T>(O),
          ptr<float>(L), O_part, L_part, sc, seqlens_k, G, ptr<int>(ours));
 }
 #else
