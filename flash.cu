@@ -2773,7 +2773,7 @@ flash_decode_hopper(Rows<const T> Q, const __grid_constant__ CUtensorMap K_map, 
   using Block = DecodeBlock<T, d, 8>;
   // An even number of stages keeps each stage to one set, whose warps read its blocks in order: with an odd one,
   // a set could pass the other set's block in a stage and wait for its own next one there before the other's
-  // had landed, on a barrier phase of the same parity, already complete.
+  // had landed, on a barrier phase of the same parity, already complete (notebook 09, section 6, replays it).
   static_assert(STAGES % 2 == 0, "each stage belongs to one set");
   constexpr int B_c = Block::B_c;
   constexpr uint32_t tile_bytes = B_c * 128 * panels(d);  // K_j or V_j: panels of (B_c, 128 bytes)
