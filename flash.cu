@@ -2790,7 +2790,7 @@ flash_decode_hopper(Rows<const T> Q, const __grid_constant__ CUtensorMap K_map, 
   const Block block(G, sc, seqlens_k);
   const int j_begin = block.j_begin, n_blocks = block.j_end - block.j_begin, N_k = block.sc.mask.N_k;
 
-  auto load_KV = [&](int n) {  // l.7: load K_j, V_j for j = j_begin + n into stage n % STAGES (by thread 0)
+  auto load_KV = [&](int n) {  // l.7: load K_j, V_j for j = j_begin + n into stage n % STAGES (a set's thread 0)
     const int s = n % STAGES, j = j_begin + n;
     mbar_arrive_expect_bytes(full(s), 2 * tile_bytes);
     for (int c = 0; c < panels(d); c++) {
