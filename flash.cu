@@ -1699,6 +1699,8 @@ template <typename T, int d, int NW>
 struct DecodeBlock {
   static constexpr int B_c = 64, ld = d + 8;  // keys per block; row stride of the queries in shared memory
   static constexpr int MAX_SPLITS = 128;          // (merge_row holds MAX_SPLITS / 32 of L_s per lane)
+  static constexpr int threads = 32 * NW;
+  static constexpr uint32_t parts_bytes = NW * 16 * (d + 2) * sizeof(float);  // write's scratch
   int G, N_q, rows, tiles, H_q, h_kv, row0;   // this block's rows: row0 .. row0 + 15 of the G * N_q
   Scores sc;                                  // its mask with this sequence's N_k
   int j_begin, j_end;                         // this split's key blocks
@@ -1721,7 +1723,7 @@ struct DecodeBlock {
   // fragments again (d/16 ldmatrix per block of 64 keys, beside the loads of K_j and V_j that bound decoding),
   // which leaves the registers to O_i (d/2 per thread) and keeps d = 256 free of spills.
   __device__ void load_queries(T* Q_s, Rows<const T> Q) const {
-    for (int idx = threadIdx.x; idx < 16 * d / 8; idx += NW * 32) {
+    for (int idx = threadIdx.x; idx < 16 * d / 8; idx += threads) {
       const int r = idx / (d / 8), c = 8 * (idx % (d / 8)), x = row0 + r;
       uint4 q = make_uint4(0, 0, 0, 0);
       if (x < rows) q = *reinterpret_cast<const uint4*>(Q.ptr + blockIdx.z * Q.stride_b + head(x) * Q.stride_h +
@@ -1761,7 +1763,7 @@ struct DecodeBlock {
   }
 
   // The NW warps' parts merged, m = max_w m_w, l = sum_w e^(m_w - m) l_w, O = sum_w e^(m_w - m) O_w, through
-  // `scratch` (NW * 16 * (d + 2) floats of shared memory), then Alg.1 l.12-15; or, with several splits, this
+  // `scratch` (parts_bytes of shared memory), then Alg.1 l.12-15; or, with several splits, this
   // split's part, and the last split of the tile to finish merges them all (merge_row). Called by all threads.
   __device__ void write(float* scratch, const float (&O_i)[d / 8][4], const float (&m_i)[2], float (&l_i)[2],
                         Rows<T> O, float* L, float* O_part, float* L_part, int* tickets) const {
@@ -1778,7 +1780,7 @@ struct DecodeBlock {
         *reinterpret_cast<float2*>(&O_s[x * d + 8 * nt + 2 * t]) = make_float2(O_i[nt][2 * h], O_i[nt][2 * h + 1]);
     }
     __syncthreads();  // every warp's part is in shared memory
-    for (int idx = threadIdx.x; idx < 16 * d / 2; idx += NW * 32) {  // two columns c, c + 1 of row row0 + x
+    for (int idx = threadIdx.x; idx < 16 * d / 2; idx += threads) {  // two columns c, c + 1 of row row0 + x
       const int x = idx / (d / 2), c = 2 * (idx % (d / 2));
       if (row0 + x >= rows) break;
       float m = M_START, l = 0.f, o0 = 0.f, o1 = 0.f;
@@ -2764,13 +2766,14 @@ flash_bwd_hopper(const __grid_constant__ CUtensorMap Q_map, const __grid_constan
 // No thread spends instructions on addresses or copies, and the copies are whole tiles. The stages hold the
 // tiles with the 128-byte swizzle: piece p of key row r of a panel sits at piece p ^ (r % 8) of the row (see
 // this section's introduction), and the ldmatrix addresses follow it.
+[[maybe_unused]] constexpr int DECODE_HOPPER_WARPS = 8;  // two sets of 4 ([[maybe_unused]]: builds without hopper)
 template <typename T, int d, int STAGES>
-__global__ void __launch_bounds__(256, 1)
+__global__ void __launch_bounds__(32 * DECODE_HOPPER_WARPS, 1)
 flash_decode_hopper(Rows<const T> Q, const __grid_constant__ CUtensorMap K_map, const __grid_constant__ CUtensorMap V_map,
                     Rows<T> O, float* __restrict__ L, float* __restrict__ O_part, float* __restrict__ L_part, Scores sc,
                     const int* __restrict__ seqlens_k, int G, int* tickets) {
 #if SM90A
-  using Block = DecodeBlock<T, d, 8>;
+  using Block = DecodeBlock<T, d, DECODE_HOPPER_WARPS>;
   // An even number of stages keeps each stage to one set, whose warps read its blocks in order: with an odd one,
   // a set could pass the other set's block in a stage and wait for its own next one there before the other's
   // had landed, on a barrier phase of the same parity, already complete (notebook 09, section 6, replays it).
@@ -2781,8 +2784,8 @@ flash_decode_hopper(Rows<const T> Q, const __grid_constant__ CUtensorMap K_map, 
   const uint32_t KV_s = (smem_addr(smem_raw) + 1023) & ~1023u;  // stage s: K_j, then V_j (swizzling: 1024-aligned)
   auto K_s = [&](int s) { return KV_s + 2 * s * tile_bytes; };
   auto V_s = [&](int s) { return K_s(s) + tile_bytes; };
-  constexpr uint32_t parts_bytes = 8 * 16 * (d + 2) * sizeof(float);  // the warps' parts, in the stages at the end
-  const uint32_t bars = KV_s + max(2 * STAGES * tile_bytes, parts_bytes);  // then the mbarriers, 8 bytes each
+  // then the mbarriers, 8 bytes each (after the warps' parts, which take the stages' memory at the end)
+  const uint32_t bars = KV_s + max(2 * STAGES * tile_bytes, Block::parts_bytes);
   auto full = [&](int s) { return bars + 8 * s; };
   auto empty = [&](int s) { return bars + 8 * (STAGES + s); };
   T* Q_s = reinterpret_cast<T*>(__cvta_shared_to_generic(bars + 16 * STAGES));  // (16, d) row stride d + 8
@@ -3434,16 +3437,20 @@ void decode(const at::Tensor& Q, const at::Tensor& K, const at::Tensor& V, at::T
             const int* seqlens_k, const Scores& sc, cudaStream_t stream)
 #if defined(BUILD_ampere) || defined(BUILD_hopper)
 {
-  constexpr int B_c = DecodeBlock<T, d, 4>::B_c;
+#if defined(BUILD_hopper)
+  using Block = DecodeBlock<T, d, DECODE_HOPPER_WARPS>;
+#else
+  using Block = DecodeBlock<T, d, 4>;
+#endif
+  constexpr int B_c = Block::B_c, threads = Block::threads;
   const int B = Q.size(0), H_q = Q.size(1), N_q = Q.size(2), H_kv = K.size(1), N_k = K.size(2), G = H_q / H_kv;
   // Four stages: on an H100, one block per SM (2-11% faster than three stages and two blocks with cp.async);
   // fewer where a block gets less shared memory (99 KB on sm_86 and sm_89, and d = 256 on an H100)
 #if defined(BUILD_hopper)
   // 1 KB of slack to align the tiles to 1024 bytes, STAGES stages of K_j and V_j (128 KB at d = 128), which then
-  // take the 8 warps' parts (DecodeBlock::write), the mbarriers, the queries
-  const size_t stage_bytes = 2 * STAGES * B_c * 128 * panels(d), parts_bytes = 8 * 16 * (d + 2) * sizeof(float);
-  const size_t smem = 1024 + std::max(stage_bytes, parts_bytes) + 16 * STAGES + 16 * (d + 8) * sizeof(T);
-  constexpr int threads = 256;
+  // take the warps' parts (DecodeBlock::write), the mbarriers, the queries
+  const size_t stage_bytes = 2 * STAGES * B_c * 128 * panels(d);
+  const size_t smem = 1024 + std::max<size_t>(stage_bytes, Block::parts_bytes) + 16 * STAGES + 16 * (d + 8) * sizeof(T);
   if constexpr (STAGES > 2)  // (an even count: see flash_decode_hopper)
     if (smem > max_smem_per_block()) return decode<T, d, STAGES - 2>(Q, K, V, O, L, seqlens_k, sc, stream);
   const auto kernel = flash_decode_hopper<T, d, STAGES>;
@@ -3455,7 +3462,6 @@ void decode(const at::Tensor& Q, const at::Tensor& K, const at::Tensor& V, at::T
   const auto K_arg = tensor_map(K, B_c, promotion), V_arg = tensor_map(V, B_c, promotion);
 #else
   const size_t smem = sizeof(T) * (16 + 2 * STAGES * B_c) * (d + 8);  // 143 KB at d = 128
-  constexpr int threads = 128;
   if constexpr (STAGES > 2)
     if (smem > max_smem_per_block()) return decode<T, d, STAGES - 1>(Q, K, V, O, L, seqlens_k, sc, stream);
   const auto kernel = flash_decode<T, d, STAGES>;
@@ -3484,7 +3490,7 @@ void decode(const at::Tensor& Q, const at::Tensor& K, const at::Tensor& V, at::T
     return waves * ((T_c + splits - 1) / splits + 2);
   };
   int splits = 1;
-  for (int s = 2; s <= std::min(T_c / 2, DecodeBlock<T, d, 4>::MAX_SPLITS); s++)
+  for (int s = 2; s <= std::min(T_c / 2, Block::MAX_SPLITS); s++)
     if (cost(s) < cost(splits)) splits = s;
   const dim3 grid(splits, H_kv * tiles, B);
   if (splits == 1) {
