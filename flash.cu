@@ -2884,7 +2884,7 @@ flash_quantize(Rows<const T> X, uint8_t* __restrict__ out, float* __restrict__ s
   // rows E l + e, which with rows of 128 bytes all fall in one bank (a 32-way conflict) and with 132 in 8 (4-way).
   // With the pad (and a multiply per value in place of a division) the transposing kernel took 66 us on an H200
   // where it took 168 (B = 4, H = 16, N = 4096, D = 128, bf16): as long as the plain one (67 us, 74 before).
-  __shared__ uint8_t tile[transpose ? D : 1][QUANT_ROWS + 4];
+  __shared__ alignas(4) uint8_t tile[transpose ? D : 1][QUANT_ROWS + 4];
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, row0 = blockIdx.x * QUANT_ROWS;
   X = X.head();
   // Row r's E values of this lane, transformed. The Hadamard transform (Sylvester's H_D = H_2 x H_{D/2}) as log2 D
