@@ -1859,12 +1859,13 @@ struct DecodeBlock {
 };
 
 // The Ampere decoding kernel: K_j and V_j stream through STAGES cp.async stages, rows padded to d + 8.
+[[maybe_unused]] constexpr int DECODE_AMPERE_WARPS = 4;  // ([[maybe_unused]]: builds without ampere)
 template <typename T, int d, int STAGES>
-__global__ void __launch_bounds__(128)
+__global__ void __launch_bounds__(32 * DECODE_AMPERE_WARPS)
 flash_decode(Rows<const T> Q, Rows<const T> K, Rows<const T> V, Rows<T> O, float* __restrict__ L,
              float* __restrict__ O_part, float* __restrict__ L_part, Scores sc, const int* __restrict__ seqlens_k,
              int G, int* tickets) {
-  using Block = DecodeBlock<T, d, 4>;
+  using Block = DecodeBlock<T, d, DECODE_AMPERE_WARPS>;
   constexpr int B_c = Block::B_c, ld = Block::ld;
   extern __shared__ __align__(16) unsigned char smem_raw[];
   T* Q_s = reinterpret_cast<T*>(smem_raw);  // the tile's 16 query rows    (16, d)                row stride ld
@@ -3452,7 +3453,7 @@ void decode(const at::Tensor& Q, const at::Tensor& K, const at::Tensor& V, at::T
 #if defined(BUILD_hopper)
   using Block = DecodeBlock<T, d, DECODE_HOPPER_WARPS>;
 #else
-  using Block = DecodeBlock<T, d, 4>;
+  using Block = DecodeBlock<T, d, DECODE_AMPERE_WARPS>;
 #endif
   constexpr int B_c = Block::B_c, threads = Block::threads;
   const int B = Q.size(0), H_q = Q.size(1), N_q = Q.size(2), H_kv = K.size(1), N_k = K.size(2), G = H_q / H_kv;
