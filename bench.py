@@ -70,7 +70,8 @@ SDPA = {"sdpa": None, "sdpa-flash": "FLASH_ATTENTION", "sdpa-efficient": "EFFICI
 TOLERANCE = {"fp16": 5e-2, "bf16": 4e-1, "fp32": 1e-3}
 # 8-bit attention (flash_attention_8bit), forward only, fp16/bf16 in and out: system: (dtype, transpose_v, timed).
 # "fp8" times quantize() and the kernel, as a call on fp16/bf16 tensors runs; "fp8-kernel" the kernel alone, on
-# inputs quantized once (a KV cache kept in 8 bits); "-vt": V quantized transposed, so that the kernel need not.
+# inputs quantized once (a KV cache kept in 8 bits); "-vt": V quantized transposed (flash_attention_8bit's default
+# for fp8), so that the kernel need not; without it the kernel transposes V_j.
 EIGHT_BIT = {"fp8": (torch.float8_e4m3fn, False, "all"), "fp8-kernel": (torch.float8_e4m3fn, False, "kernel"),
              "fp8-vt": (torch.float8_e4m3fn, True, "all"), "fp8-vt-kernel": (torch.float8_e4m3fn, True, "kernel"),
              "int8": (torch.int8, False, "all"), "int8-kernel": (torch.int8, False, "kernel")}
@@ -808,7 +809,8 @@ def write_markdown(path, metadata, rows, figures, results, render_command):
     if any(row["system"] in EIGHT_BIT for row in rows):
         lines += ["8-bit systems (`flash_attention_8bit`, forward only): fp8 (e4m3 wgmma, Hopper) and int8 (s8 mma.sync for",
                   "Q K^T, P V in 16 bits). `fp8`, `int8`: quantize() and the kernel, as a call on fp16/bf16 tensors runs;",
-                  "`-kernel`: the kernel alone on inputs quantized once; `-vt`: V quantized already transposed. TFLOP/s",
+                  "`-kernel`: the kernel alone on inputs quantized once; `-vt`: V quantized already transposed (fp8's",
+                  "default), else the fp8 kernel transposes each V_j as it lands. TFLOP/s",
                   "counts the same FLOPs as the 16-bit rows (and %peak uses the 16-bit peak); max err is against float32",
                   "attention, where 8-bit rounding reaches a few % of a row's scale (docs/accuracy.md).", ""]
     if any(row.get("deterministic") for row in rows):

@@ -737,13 +737,14 @@ def rotation_signs(D, seed=0, device="cuda"):
     return 1.0 - 2.0 * (x >> 31).float()
 
 
-def quantize(q, k, v, dtype=torch.float8_e4m3fn, rotate=False, smooth_k=None, transpose_v=False, seed=0):
+def quantize(q, k, v, dtype=torch.float8_e4m3fn, rotate=False, smooth_k=None, transpose_v=None, seed=0):
     """q, k, v (fp16/bf16, flash_attention's shapes, d <= 128) as 8-bit inputs of flash_attention_8bit: a Quantized.
     dtype: torch.float8_e4m3fn (Hopper: q, k and v in e4m3) or torch.int8 (sm_80+: q and k in int8, v kept).
     rotate: q and k times one random orthogonal H = diag(signs) Hadamard / sqrt(D) (signs from seed), which leaves
     q k^T unchanged and spreads outlier channels (FlashAttention-3's incoherent processing). smooth_k (default: on
-    for int8): k minus its mean over the keys, which the softmax cancels. transpose_v (fp8): v written transposed,
-    so that the kernel need not transpose it. One fused kernel per tensor (a second pass, for k's mean, if smoothed)."""
+    for int8): k minus its mean over the keys, which the softmax cancels. transpose_v (default: on for fp8, which
+    only fp8 takes): v written transposed, so that the kernel need not transpose it (the faster call end to end:
+    README). One fused kernel per tensor (a second pass, for k's mean, if smoothed)."""
     for name, t in (("q", q), ("k", k), ("v", v)):  # (the rest of flash_attention's checks follow)
         if isinstance(t, torch.Tensor) and t.dtype not in (torch.float16, torch.bfloat16):
             raise TypeError(f"8-bit attention quantizes float16 or bfloat16 inputs; {name} is {t.dtype}")
@@ -752,6 +753,7 @@ def quantize(q, k, v, dtype=torch.float8_e4m3fn, rotate=False, smooth_k=None, tr
         raise ValueError(f"dtype must be torch.float8_e4m3fn or torch.int8, got {dtype}")
     if q.shape[-1] > max(EIGHT_BIT_HEAD_DIMS):
         raise ValueError(f"8-bit attention takes head dims up to {max(EIGHT_BIT_HEAD_DIMS)}, got d = {q.shape[-1]}")
+    transpose_v = dtype == torch.float8_e4m3fn if transpose_v is None else transpose_v
     for name, flag in (("rotate", rotate), ("transpose_v", transpose_v)):
         if not isinstance(flag, bool):
             raise TypeError(f"{name} must be True or False, got {flag!r}")
@@ -769,7 +771,7 @@ def quantize(q, k, v, dtype=torch.float8_e4m3fn, rotate=False, smooth_k=None, tr
 
 
 def flash_attention_8bit(q, k=None, v=None, causal=False, softmax_scale=None, window=(-1, -1),
-                         dtype=torch.float8_e4m3fn, rotate=False, smooth_k=None, transpose_v=False):
+                         dtype=torch.float8_e4m3fn, rotate=False, smooth_k=None, transpose_v=None):
     """Attention with 8-bit products, forward only (inference): O (B, H_q, N_q, d) in q's dtype. q, k, v as
     flash_attention's (float16 or bfloat16, d <= 128, requires_grad off), quantized here by quantize(q, k, v, dtype,
     rotate, smooth_k, transpose_v); or q a Quantized from quantize() (k, v None), to quantize once and reuse.

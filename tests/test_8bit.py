@@ -156,7 +156,7 @@ def test_transposed_v_layout():
     torch.manual_seed(2)
     v = torch.randn(2, 2, 200, 64, device="cuda", dtype=torch.bfloat16)
     x = main.quantize(v, v, v, torch.float8_e4m3fn, transpose_v=True)
-    plain = main.quantize(v, v, v, torch.float8_e4m3fn)
+    plain = main.quantize(v, v, v, torch.float8_e4m3fn, transpose_v=False)
     assert x.v.shape == (2, 2, 64, 256)
     inverse = torch.empty(16, dtype=torch.long)
     inverse[torch.tensor([reference.key_position(c) for c in range(16)])] = torch.arange(16)
@@ -165,6 +165,9 @@ def test_transposed_v_layout():
     vt = torch.nn.functional.pad(vt, (0, 56))
     assert torch.equal(x.v.view(torch.uint8), vt[..., keys])
     assert torch.equal(x.v_scale, plain.v_scale)
+    assert main.quantize(v, v, v).v_transposed and not main.quantize(v, v, v, torch.int8).v_transposed  # defaults
+    with pytest.raises(ValueError, match="transpose_v is for fp8"):
+        main.quantize(v, v, v, torch.int8, transpose_v=True)
 
 
 @cuda
