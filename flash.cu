@@ -2869,8 +2869,8 @@ __host__ __device__ constexpr int key_position(int c) { return 4 * (c % 8 / 2) +
 // X -= mean (mean: (H, D) per head, or nullptr) and X = X diag(signs) Hadamard / sqrt(D) (signs: (D), or nullptr).
 // out: int8 or e4m3 bytes, (B, H, N, D); or with transpose the transpose (B, H, D, N_pad), keys in key_position
 // order within each 16 and zero past N (V for the fp8 kernel, which reads it K-major). scales: (B, H, T).
-// Grid (T, H, B), QUANT_WARPS warps; warp w takes rows w, w + QUANT_WARPS, .., lane l holding its columns
-// E l .. E l + E - 1 (E = D / 32). Dynamic shared memory: the block's rows as stored, QUANT_ROWS * D * sizeof(T)
+// Grid (T, H, B), QUANT_WARPS warps; warp w takes rows w, w + QUANT_WARPS, .. (the transpose rounds them in fours:
+// see there), lane l holding its columns E l .. E l + E - 1 (E = D / 32). Dynamic shared memory: the block's rows as stored, QUANT_ROWS * D * sizeof(T)
 // bytes. (8 warps: with 4 or 16 the kernels took 1.05-1.25x as long on an H200; [[maybe_unused]]: builds without
 // the 8-bit kernels.)
 [[maybe_unused]] constexpr int QUANT_WARPS = 8;
@@ -2883,8 +2883,8 @@ flash_quantize(Rows<const T> X, uint8_t* __restrict__ out, float* __restrict__ s
   struct alignas(E * sizeof(T)) Values { T x[E]; };  // a lane's E inputs, and its E outputs
   struct alignas(E) Bytes { uint8_t x[E]; };
   __shared__ float amax_warp[QUANT_WARPS];
-  // The transpose's (D, QUANT_ROWS) tile, its rows padded by a word: a warp's lanes store bytes of one column into
-  // rows E l + e, which with rows of 128 bytes all fall in one bank (a 32-way conflict) and with 132 in 8 (4-way).
+  // The transpose's (D, QUANT_ROWS) tile, its rows padded by a word: a warp's lanes store to one offset of rows
+  // E l + e, which with rows of 128 bytes all fall in one bank (a 32-way conflict) and with 132 in 8 (4-way).
   // With the pad (and a multiply per value in place of a division) the transposing kernel took 66 us on an H200
   // where it took 168 (B = 4, H = 16, N = 4096, D = 128, bf16).
   __shared__ alignas(4) uint8_t tile[transpose ? D : 1][QUANT_ROWS + 4];
@@ -2916,8 +2916,8 @@ flash_quantize(Rows<const T> X, uint8_t* __restrict__ out, float* __restrict__ s
   // once, without holding registers, and both passes below (the maximum, then the rounding) read them there, not
   // from memory twice. Before, each pass loaded its rows from memory one at a time per warp (the branches of the
   // transform kept the compiler from hoisting the next load): on an H200, at the shape above, the plain kernel took
-  // 66 us (1.5 TB/s) where it now takes 29 (3.4 TB/s), and the transposing one 66 where it takes 45. With the
-  // rotation, whose shuffles run in both passes, a kernel is bound by them instead: 102 us before, 106 now.
+  // 66 us (1.5 TB/s) where it now takes 29 (3.4 TB/s), and the transposing one 66 where it takes 39 (see below).
+  // With the rotation, whose shuffles run in both passes, they set the pace instead: 94 us (102 before).
   extern __shared__ __align__(16) unsigned char staged[];
   T(*X_s)[D] = reinterpret_cast<T(*)[D]>(staged);
   constexpr int pieces = D * sizeof(T) / 16;  // 16-byte pieces per row
@@ -2928,24 +2928,25 @@ flash_quantize(Rows<const T> X, uint8_t* __restrict__ out, float* __restrict__ s
   cp_async_commit();
   cp_async_wait<0>();
   __syncthreads();  // every thread's copies have landed
-  auto for_rows = [&](auto f) {  // f(r, x) for each of this warp's rows r, x its E values transformed
-    for (int r = warp; r < QUANT_ROWS; r += QUANT_WARPS) {
-      float x[E];
-      transformed(*reinterpret_cast<const Values*>(&X_s[r][E * lane]), x);
-      f(r, x);
-    }
+  auto row = [&](int r, float (&x)[E]) {  // (copied whole first: one load, where bf16's elements took one each)
+    const Values v = *reinterpret_cast<const Values*>(&X_s[r][E * lane]);
+    transformed(v, x);
   };
   float amax = 0.f;
-  for_rows([&](int, const float (&x)[E]) {
+  for (int r = warp; r < QUANT_ROWS; r += QUANT_WARPS) {
+    float x[E];
+    row(r, x);
     for (int e = 0; e < E; e++) amax = fmaxf(amax, fabsf(x[e]));
-  });
+  }
   for (int m = 16; m > 0; m /= 2) amax = fmaxf(amax, __shfl_xor_sync(~0u, amax, m));
   if (lane == 0) amax_warp[warp] = amax;
   __syncthreads();  // every warp's maximum is in amax_warp
   for (int w = 0; w < QUANT_WARPS; w++) amax = fmaxf(amax, amax_warp[w]);
   const float s = amax > 0.f ? amax / qmax : 1.f, inverse_s = 1.f / s;  // (a multiply per value, not a division)
   if (threadIdx.x == 0) scales[head_index() * gridDim.x + blockIdx.x] = s;
-  for_rows([&](int r, const float (&x)[E]) {  // again, now rounding
+  auto rounded = [&](int r) {  // row r again, now rounded to 8 bits
+    float x[E];
+    row(r, x);
     Bytes q;
     for (int e = 0; e < E; e += 2) {  // two values per conversion
       const float a = x[e] * inverse_s, b = x[e + 1] * inverse_s;
@@ -2956,12 +2957,27 @@ flash_quantize(Rows<const T> X, uint8_t* __restrict__ out, float* __restrict__ s
         q.x[e] = uint8_t(int8_t(__float2int_rn(a))), q.x[e + 1] = uint8_t(int8_t(__float2int_rn(b)));
       }
     }
-    if (transpose)
-      for (int e = 0; e < E; e++) tile[E * lane + e][r / 16 * 16 + key_position(r % 16)] = q.x[e];
-    else if (row0 + r < N)
-      *reinterpret_cast<Bytes*>(&out[(head_index() * N + row0 + r) * D + E * lane]) = q;
-  });
-  if (!transpose) return;
+    return q;
+  };
+  if constexpr (!transpose) {
+    for (int r = warp; r < QUANT_ROWS; r += QUANT_WARPS) {
+      const Bytes q = rounded(r);
+      if (row0 + r < N) *reinterpret_cast<Bytes*>(&out[(head_index() * N + row0 + r) * D + E * lane]) = q;
+    }
+    return;
+  }
+  // V^T: keys 2p, 2p + 1, 2p + 8, 2p + 9 of a group of 16 go to positions 4p .. 4p + 3 (key_position), so a warp
+  // rounds those four rows together and each lane stores its bytes of one column as one word, where it stored
+  // four single bytes (on an H200 the kernel took 39 us, against 45).
+  for (int quad = warp; quad < QUANT_ROWS / 4; quad += QUANT_WARPS) {
+    const int group = quad / 4, p = quad % 4;
+    uint32_t word[E] = {};
+    for (int i = 0; i < 4; i++) {  // key 16 group + 2p + i % 2 + 8 (i / 2), at position 16 group + 4p + i
+      const Bytes q = rounded(16 * group + 2 * p + i % 2 + 8 * (i / 2));
+      for (int e = 0; e < E; e++) word[e] |= uint32_t(q.x[e]) << 8 * i;
+    }
+    for (int e = 0; e < E; e++) *reinterpret_cast<uint32_t*>(&tile[E * lane + e][16 * group + 4 * p]) = word[e];
+  }
   __syncthreads();  // the tile is complete: write it out a row of 128 keys (16 bytes per thread) at a time
   for (int x = threadIdx.x; x < D * QUANT_ROWS / 16; x += blockDim.x) {
     const int c = x / (QUANT_ROWS / 16), p = x % (QUANT_ROWS / 16);
