@@ -3034,8 +3034,10 @@ __device__ void transpose_V(uint32_t V, uint32_t Vt, int w, int n_warps) {
   }
 }
 
-// fp8 forward on Hopper (sm_90a): the hopper kernel with 8-bit products. Grid (T_r, H_q, B); B_r = B_c = 128 (one
-// scale of Q_i and of K_j, V_j per block), d <= 128 (a tile row of d bytes, one 128-byte panel). What changes:
+// fp8 forward on Hopper (sm_90a): the hopper kernel with 8-bit products. Grid (T_r, H_q, B); B_r = 64 NWG (NWG
+// consumers: 3 at d = 64, else 2, as in the hopper kernel), B_c = 128 (one scale of K_j and of V_j per block; each
+// consumer's 64 rows of Q_i lie in one block of Q's scales), d <= 128 (a tile row of d bytes, one 128-byte panel).
+// What changes:
 // - S_ij = Q_i K_j^T is d/32 wgmma m64n128k32; softmax(j) multiplies in s_Q,i s_K,j with the scale.
 // - P_ij is rounded to e4m3 for O_i += P_ij V_j (B_c/32 wgmma m64n{d}k32), scaled by 2^8 first (exp2(s - m_i + 8),
 //   at most 256 < 448), so that probabilities down to 2^-17 (not 2^-9) stay above e4m3's smallest subnormal;
@@ -3044,20 +3046,22 @@ __device__ void transpose_V(uint32_t V, uint32_t Vt, int w, int n_warps) {
 //   lands; V_TRANSPOSED = false), or already transposed by flash_quantize (V_TRANSPOSED).
 // - O_i accumulates P_ij V_hat_j, V's scale left out: rescaling O_i by alpha s_V,j / s_V,j+1 before block j+1 keeps
 //   O_i in units of the last block's s_V, applied once at the end.
-template <typename T, int d, int STAGES, bool V_TRANSPOSED>
-__global__ void __launch_bounds__(384, 1)
+template <typename T, int d, int NWG, int STAGES, bool V_TRANSPOSED>
+__global__ void __launch_bounds__(128 * (NWG + 1), 1)
 flash_fwd_hopper_fp8(const __grid_constant__ CUtensorMap Q_map, const __grid_constant__ CUtensorMap K_map,
                      const __grid_constant__ CUtensorMap V_map, Rows<T> O, float* __restrict__ L, Scores sc, int group,
                      Scales scales) {
 #if SM90A
-  constexpr int NWG = 2, B_r = 128, B_c = 128, producer_regs = 40, consumer_regs = 232;  // (the transpose's registers)
+  constexpr int B_r = 64 * NWG, B_c = 128, producer_regs = 40;  // (the transpose's registers)
+  constexpr int consumer_regs = (65536 / 128 - producer_regs) / NWG / 8 * 8;  // 232 for NWG = 2, 152 for 3
   constexpr uint32_t tile_bytes = 128 * 128, Vt_bytes = d * 128, stage_bytes = 2 * tile_bytes + Vt_bytes;
+  constexpr uint32_t Q_bytes = B_r * 128;
   extern __shared__ unsigned char smem_raw[];
   const uint32_t Q_s = (smem_addr(smem_raw) + 1023) & ~1023u;  // Q_i (B_r, d bytes)
-  auto K_s = [&](int s) { return Q_s + tile_bytes + s * stage_bytes; };  // K_j in stage s (B_c, d bytes)
+  auto K_s = [&](int s) { return Q_s + Q_bytes + s * stage_bytes; };  // K_j in stage s (B_c, d bytes)
   auto V_s = [&](int s) { return K_s(s) + tile_bytes; };                  // V_j as stored (B_c, d bytes)
   auto Vt_s = [&](int s) { return V_s(s) + tile_bytes; };                 // V_j^T (d, B_c bytes)
-  const uint32_t Q_full = Q_s + tile_bytes + STAGES * stage_bytes;       // then the mbarriers
+  const uint32_t Q_full = Q_s + Q_bytes + STAGES * stage_bytes;          // then the mbarriers
   auto full = [&](int s) { return Q_full + 8 * (1 + s); };
   auto empty = [&](int s) { return Q_full + 8 * (1 + STAGES + s); };
   auto transposed = [&](int s) { return Q_full + 8 * (1 + 2 * STAGES + s); };
@@ -3079,7 +3083,7 @@ flash_fwd_hopper_fp8(const __grid_constant__ CUtensorMap Q_map, const __grid_con
     asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;" ::"n"(producer_regs));
     const Sequence seq(nullptr);
     if (threadIdx.x == 0) {
-      mbar_arrive_expect_bytes(Q_full, tile_bytes);                                // l.4: load Q_i
+      mbar_arrive_expect_bytes(Q_full, Q_bytes);                                   // l.4: load Q_i
       tma_load(Q_s, Q_map, 0, seq, row0, blockIdx.y, Q_full);
       for (int n = 0; n < n_blocks; n++) {                                         // l.7: load K_j, V_j
         const int s = n % STAGES, j = j0 + n;
@@ -3104,7 +3108,7 @@ flash_fwd_hopper_fp8(const __grid_constant__ CUtensorMap Q_map, const __grid_con
     const int warp = threadIdx.x / 32 % 4, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
     const int r = row0 + 64 * (wg - 1) + 16 * warp + g;  // this lane's rows are r and r + 8
     const uint32_t Q_wg = Q_s + 64 * (wg - 1) * 128;     // this warpgroup's 64 rows of Q_i
-    const float s_Q = scales.q[head_index() * scales.T_q + i];
+    const float s_Q = scales.q[head_index() * scales.T_q + min(r / QUANT_ROWS, scales.T_q - 1)];  // (rows past N_q)
     float O_i[d / 8][4] = {}, m_i[2] = {M_START, M_START}, l_i[2] = {0.f, 0.f};  // l.5
     float S[B_c / 8][4], alpha[2];
     uint32_t P[B_c / 32][4];  // P_ij as k32 A fragments, e4m3
@@ -3722,15 +3726,17 @@ std::vector<at::Tensor> quantize(const at::Tensor& X, const std::optional<at::Te
 
 #if defined(BUILD_hopper_fp8)
 // 3 stages of K_j, V_j and V_j^T (48 KB each at d = 128) and Q_i: 161 KB. (4 stages, 209 KB, measured no faster on an
-// H100: 1.11-1.26x the hopper fp16 kernel with 3, 1.12-1.24x with 4, d = 128, N = 4096 and 16384.)
+// H100: 1.11-1.26x the hopper fp16 kernel with 3, 1.12-1.24x with 4, d = 128, N = 4096 and 16384.) Three consumers at
+// d = 64, where O_i's 32 registers leave a third one room in 152 (no spills): 1.13-1.31x two consumers on an H200
+// (bf16, N = 4096 and 16384, causal and not); at d = 128 a third would spill (notebook 11, section 7).
 template <typename T, bool V_TRANSPOSED, int STAGES = 3>
 void fwd_8bit(const at::Tensor& Q, const at::Tensor& K, const at::Tensor& V, at::Tensor& O, at::Tensor& L,
               const Scores& sc, const Scales& scales, cudaStream_t stream) {
-  constexpr int d = HEAD_DIM, B_r = 128, B_c = 128;
-  const size_t smem = 128 * 128 + STAGES * (2 * 128 * 128 + d * 128) + 8 * (1 + 3 * STAGES) + 1024;
-  launch(flash_fwd_hopper_fp8<T, d, STAGES, V_TRANSPOSED>, grid((sc.mask.N_q + B_r - 1) / B_r, Q, sc), 384, smem,
-         stream, tensor_map(Q, B_r), tensor_map(K, B_c), tensor_map(V, V_TRANSPOSED ? d : B_c), rows<T>(O), ptr<float>(L),
-         sc, group(Q, K), scales);
+  constexpr int d = HEAD_DIM, NWG = d <= 64 ? 3 : 2, B_r = 64 * NWG, B_c = 128;
+  const size_t smem = B_r * 128 + STAGES * (2 * 128 * 128 + d * 128) + 8 * (1 + 3 * STAGES) + 1024;
+  launch(flash_fwd_hopper_fp8<T, d, NWG, STAGES, V_TRANSPOSED>, grid((sc.mask.N_q + B_r - 1) / B_r, Q, sc),
+         128 * (NWG + 1), smem, stream, tensor_map(Q, B_r), tensor_map(K, B_c), tensor_map(V, V_TRANSPOSED ? d : B_c),
+         rows<T>(O), ptr<float>(L), sc, group(Q, K), scales);
 }
 #else
 // The ampere kernel's tiles, with int8 Q_i and K_j, but B_c = 64 at d = 64 too (128 keys: 132 bytes of spills).
