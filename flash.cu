@@ -2870,9 +2870,9 @@ __host__ __device__ constexpr int key_position(int c) { return 4 * (c % 8 / 2) +
 // out: int8 or e4m3 bytes, (B, H, N, D); or with transpose the transpose (B, H, D, N_pad), keys in key_position
 // order within each 16 and zero past N (V for the fp8 kernel, which reads it K-major). scales: (B, H, T).
 // Grid (T, H, B), QUANT_WARPS warps; warp w takes rows w, w + QUANT_WARPS, .. (the transpose rounds them in fours:
-// see there), lane l holding its columns E l .. E l + E - 1 (E = D / 32). Dynamic shared memory: the block's rows as stored, QUANT_ROWS * D * sizeof(T)
-// bytes. (8 warps: with 4 or 16 the kernels took 1.05-1.25x as long on an H200; [[maybe_unused]]: builds without
-// the 8-bit kernels.)
+// see there), lane l holding its columns E l .. E l + E - 1 (E = D / 32). Dynamic shared memory: the block's rows
+// as stored, QUANT_ROWS * D * sizeof(T) bytes. (8 warps: with 4 or 16 the kernels took 1.05-1.25x as long on an
+// H200; [[maybe_unused]]: builds without the 8-bit kernels.)
 [[maybe_unused]] constexpr int QUANT_WARPS = 8;
 template <typename T, bool fp8, int D, bool transpose>
 __global__ void __launch_bounds__(32 * QUANT_WARPS)
