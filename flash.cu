@@ -2964,26 +2964,26 @@ flash_quantize(Rows<const T> X, uint8_t* __restrict__ out, float* __restrict__ s
       const Bytes q = rounded(r);
       if (row0 + r < N) *reinterpret_cast<Bytes*>(&out[(head_index() * N + row0 + r) * D + E * lane]) = q;
     }
-    return;
-  }
-  // V^T: keys 2p, 2p + 1, 2p + 8, 2p + 9 of a group of 16 go to positions 4p .. 4p + 3 (key_position), so a warp
-  // rounds those four rows together and each lane stores its bytes of one column as one word, where it stored
-  // four single bytes (on an H200 the kernel took 39 us, against 45).
-  for (int quad = warp; quad < QUANT_ROWS / 4; quad += QUANT_WARPS) {
-    const int group = quad / 4, p = quad % 4;
-    uint32_t word[E] = {};
-    for (int i = 0; i < 4; i++) {  // key 16 group + 2p + i % 2 + 8 (i / 2), at position 16 group + 4p + i
-      const Bytes q = rounded(16 * group + 2 * p + i % 2 + 8 * (i / 2));
-      for (int e = 0; e < E; e++) word[e] |= uint32_t(q.x[e]) << 8 * i;
+  } else {
+    // V^T: keys 2p, 2p + 1, 2p + 8, 2p + 9 of a group of 16 go to positions 4p .. 4p + 3 (key_position), so a warp
+    // rounds those four rows together and each lane stores its bytes of one column as one word, where it stored
+    // four single bytes (on an H200 the kernel took 39 us, against 45).
+    for (int quad = warp; quad < QUANT_ROWS / 4; quad += QUANT_WARPS) {
+      const int group = quad / 4, p = quad % 4;
+      uint32_t word[E] = {};
+      for (int i = 0; i < 4; i++) {  // key 16 group + 2p + i % 2 + 8 (i / 2), at position 16 group + 4p + i
+        const Bytes q = rounded(16 * group + 2 * p + i % 2 + 8 * (i / 2));
+        for (int e = 0; e < E; e++) word[e] |= uint32_t(q.x[e]) << 8 * i;
+      }
+      for (int e = 0; e < E; e++) *reinterpret_cast<uint32_t*>(&tile[E * lane + e][16 * group + 4 * p]) = word[e];
     }
-    for (int e = 0; e < E; e++) *reinterpret_cast<uint32_t*>(&tile[E * lane + e][16 * group + 4 * p]) = word[e];
-  }
-  __syncthreads();  // the tile is complete: write it out a row of 128 keys (16 bytes per thread) at a time
-  for (int x = threadIdx.x; x < D * QUANT_ROWS / 16; x += blockDim.x) {
-    const int c = x / (QUANT_ROWS / 16), p = x % (QUANT_ROWS / 16);
-    const uint32_t* words = reinterpret_cast<const uint32_t*>(&tile[c][16 * p]);  // (the rows are 4-byte aligned only)
-    *reinterpret_cast<uint4*>(&out[(head_index() * D + c) * N_pad + row0 + 16 * p]) =
-        make_uint4(words[0], words[1], words[2], words[3]);
+    __syncthreads();  // the tile is complete: write it out a row of 128 keys (16 bytes per thread) at a time
+    for (int x = threadIdx.x; x < D * QUANT_ROWS / 16; x += blockDim.x) {
+      const int c = x / (QUANT_ROWS / 16), p = x % (QUANT_ROWS / 16);
+      const uint32_t* words = reinterpret_cast<const uint32_t*>(&tile[c][16 * p]);  // (rows 4-byte aligned only)
+      *reinterpret_cast<uint4*>(&out[(head_index() * D + c) * N_pad + row0 + 16 * p]) =
+          make_uint4(words[0], words[1], words[2], words[3]);
+    }
   }
 }
 
