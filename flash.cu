@@ -2890,10 +2890,27 @@ flash_quantize(Rows<const T> X, uint8_t* __restrict__ out, float* __restrict__ s
   __shared__ alignas(4) uint8_t tile[transpose ? D : 1][QUANT_ROWS + 4];
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, row0 = blockIdx.x * QUANT_ROWS;
   X = X.head();
-  // Row r's E values of this lane, transformed. The Hadamard transform (Sylvester's H_D = H_2 x H_{D/2}) as log2 D
-  // butterfly stages x_i, x_i^m -> x_i + x_i^m, x_i - x_i^m: the low bits of the column index within a lane, then
-  // the high bits (the lane) across lanes by shuffles.
-  auto transformed = [&](const Values& v, float (&x)[E]) {
+  // The block's rows (QUANT_ROWS, D), copied as stored into shared memory by cp.async: all its bytes in flight at
+  // once, without holding registers, and both passes below (the maximum, then the rounding) read them there, not
+  // from memory twice. Before, each pass loaded its rows from memory one at a time per warp (the branches of the
+  // transform kept the compiler from hoisting the next load): on an H200, at the shape above, the plain kernel took
+  // 66 us (1.5 TB/s) where it now takes 29 (3.4 TB/s), and the transposing one 66 where it takes 39 (see below).
+  // With the rotation, whose shuffles run in both passes, they set the pace instead: 94 us (102 before).
+  extern __shared__ __align__(16) unsigned char staged[];
+  T(*X_s)[D] = reinterpret_cast<T(*)[D]>(staged);
+  constexpr int pieces = D * sizeof(T) / 16;  // 16-byte pieces per row
+  for (int c = threadIdx.x; c < QUANT_ROWS * pieces; c += blockDim.x) {
+    const int r = c / pieces, p = c % pieces;  // rows past N: zeros
+    cp_async_16(&X_s[r][p * 16 / sizeof(T)], X.at(min(row0 + r, N - 1)) + p * 16 / sizeof(T), row0 + r < N);
+  }
+  cp_async_commit();
+  cp_async_wait<0>();
+  __syncthreads();  // every thread's copies have landed
+  // Row r's E values of this lane, from X_s, transformed. The Hadamard transform (Sylvester's H_D = H_2 x H_{D/2})
+  // as log2 D butterfly stages x_i, x_i^m -> x_i + x_i^m, x_i - x_i^m: the low bits of the column index within a
+  // lane, then the high bits (the lane) across lanes by shuffles.
+  auto row = [&](int r, float (&x)[E]) {
+    const Values v = *reinterpret_cast<const Values*>(&X_s[r][E * lane]);  // (one load: bf16 by reference took E)
     for (int e = 0; e < E; e++) x[e] = to_float(v.x[e]);
     if (mean)
       for (int e = 0; e < E; e++) x[e] -= mean[head_index() * D + E * lane + e];
@@ -2911,26 +2928,6 @@ flash_quantize(Rows<const T> X, uint8_t* __restrict__ out, float* __restrict__ s
         x[e] = lane & m ? y - x[e] : x[e] + y;
       }
     for (int e = 0; e < E; e++) x[e] *= rsqrtf(float(D));
-  };
-  // The block's rows (QUANT_ROWS, D), copied as stored into shared memory by cp.async: all its bytes in flight at
-  // once, without holding registers, and both passes below (the maximum, then the rounding) read them there, not
-  // from memory twice. Before, each pass loaded its rows from memory one at a time per warp (the branches of the
-  // transform kept the compiler from hoisting the next load): on an H200, at the shape above, the plain kernel took
-  // 66 us (1.5 TB/s) where it now takes 29 (3.4 TB/s), and the transposing one 66 where it takes 39 (see below).
-  // With the rotation, whose shuffles run in both passes, they set the pace instead: 94 us (102 before).
-  extern __shared__ __align__(16) unsigned char staged[];
-  T(*X_s)[D] = reinterpret_cast<T(*)[D]>(staged);
-  constexpr int pieces = D * sizeof(T) / 16;  // 16-byte pieces per row
-  for (int c = threadIdx.x; c < QUANT_ROWS * pieces; c += blockDim.x) {
-    const int r = c / pieces, p = c % pieces;  // rows past N: zeros
-    cp_async_16(&X_s[r][p * 16 / sizeof(T)], X.at(min(row0 + r, N - 1)) + p * 16 / sizeof(T), row0 + r < N);
-  }
-  cp_async_commit();
-  cp_async_wait<0>();
-  __syncthreads();  // every thread's copies have landed
-  auto row = [&](int r, float (&x)[E]) {  // (copied whole first: one load, where bf16's elements took one each)
-    const Values v = *reinterpret_cast<const Values*>(&X_s[r][E * lane]);
-    transformed(v, x);
   };
   float amax = 0.f;
   for (int r = warp; r < QUANT_ROWS; r += QUANT_WARPS) {
@@ -3715,6 +3712,7 @@ std::vector<at::Tensor> quantize(const at::Tensor& X, const std::optional<at::Te
   auto out = transpose ? at::empty({B, H, HEAD_DIM, T * QUANT_ROWS}, X.options().dtype(dtype))
                        : at::empty({B, H, N, HEAD_DIM}, X.options().dtype(dtype));
   auto scales = at::empty({B, H, T}, X.options().dtype(at::kFloat));
+  if (B * H * T == 0) return {out, scales};  // (N = 0: nothing to quantize, and a grid of no blocks is an error)
   with_type(X, [&]<typename T_>() {
     launch(transpose ? flash_quantize<T_, FP8, HEAD_DIM, true> : flash_quantize<T_, FP8, HEAD_DIM, false>,
            dim3(T, H, B), 32 * QUANT_WARPS, QUANT_ROWS * HEAD_DIM * sizeof(T_), reinterpret_cast<cudaStream_t>(stream),

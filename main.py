@@ -793,7 +793,7 @@ def flash_attention_8bit(q, k=None, v=None, causal=False, softmax_scale=None, wi
     if scale < 0:  # (the fp8 kernel takes each row's maximum before scaling: a negative scale would reverse it)
         raise ValueError(f"flash_attention_8bit takes softmax_scale >= 0, got {softmax_scale!r}")
     (left, right), _, _ = _options(causal, window, None, 0.0)
-    if x.q.shape[2] == 0 or x.k.shape[2] == 0:
+    if x.q.numel() == 0 or x.k.shape[2] == 0:  # (no keys: O = 0, as flash_attention)
         return x.q.new_zeros(x.q.shape[:-1] + (x.d,), dtype=x.out_dtype)
     o, _ = _forward_8bit(x.q, x.k, x.v, x.q_scale, x.k_scale, x.v_scale, x.v_transposed, left, right, scale,
                          x.out_dtype == torch.bfloat16)

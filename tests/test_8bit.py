@@ -151,6 +151,16 @@ def test_quantize_matches_reference(dtype):
 
 
 @cuda
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_empty_inputs(dtype):  # no queries, no keys, no sequences: quantize launches nothing, O is zeros
+    for B, N_q, N_k in ((1, 0, 5), (1, 5, 0), (0, 5, 5)):
+        q = torch.randn(B, 2, N_q, 64, device="cuda", dtype=torch.float16)
+        k = torch.randn(B, 2, N_k, 64, device="cuda", dtype=torch.float16)
+        o = main.flash_attention_8bit(q, k, k, dtype=dtype)
+        assert o.shape == q.shape and o.dtype == q.dtype and not o.any()
+
+
+@cuda
 @pytest.mark.skipif(not _available(torch.float8_e4m3fn), reason="needs sm_90")
 def test_transposed_v_layout():
     torch.manual_seed(2)
