@@ -851,7 +851,8 @@ __device__ void apply_scores(float (&S)[B_c / 8][4], const int (&r)[2], int c0, 
 // (exp2 of the difference of the base-2 m_i). O_i gets the same factor from rescale_O (l.10), a separate
 // step because the Hopper kernel must first wait for the product still accumulating into O_i. f > 0 is a factor
 // of the scores still to apply (1 where they are scaled already): the maximum is taken on S_ij and scaled once,
-// rowmax(f S_ij) = f rowmax(S_ij), so that P_ij = exp2(f S_ij - m_i) costs an entry one FFMA and one ex2.
+// rowmax(f S_ij) = f rowmax(S_ij), so that P_ij = exp2(f S_ij - m_i) costs an entry one FFMA and one ex2. offset:
+// a constant that S_ij still holds, taken off the maximum (the int8 kernel's SUM_START).
 // tau > 0, lazy rescaling (FlashAttention-4's): m_i moves only where the block's maximum passes it by more than tau
 // (base-2 units), else alpha = 1. Any m_i works if l_i, O_i and L_i = m_i + log(l_i) all use the same one; this one
 // keeps P_ij <= 2^tau, which fp32 and fp16/bf16 hold. Once the maxima settle, no row of a warp moves, and the
@@ -859,13 +860,13 @@ __device__ void apply_scores(float (&S)[B_c / 8][4], const int (&r)[2], int c0, 
 // P_ij rounds it (notebook 08 measures the error).
 template <int B_c, int tau = 0>
 __device__ void update_row_max(const float (&S)[B_c / 8][4], float (&m_i)[2], float (&l_i)[2], float (&alpha)[2],
-                               float f = 1.f) {
+                               float f = 1.f, float offset = 0.f) {
   float rowmax[2] = {-INFINITY, -INFINITY};
   for (int nt = 0; nt < B_c / 8; nt++)
     for (int e = 0; e < 4; e++) rowmax[e / 2] = fmaxf(rowmax[e / 2], S[nt][e]);
   for (int h = 0; h < 2; h++) {  // the 4 lanes of a quad (same g) hold one row: reduce across them
     rowmax[h] = fmaxf(rowmax[h], __shfl_xor_sync(~0u, rowmax[h], 1));
-    rowmax[h] = fmaxf(rowmax[h], __shfl_xor_sync(~0u, rowmax[h], 2)) * f;
+    rowmax[h] = (fmaxf(rowmax[h], __shfl_xor_sync(~0u, rowmax[h], 2)) - offset) * f;
     if (tau == 0) rowmax[h] = fmaxf(m_i[h], rowmax[h]);  // (one FMNMX: what every other kernel compiles to)
     const bool moved = tau == 0 || rowmax[h] > m_i[h] + tau;
     alpha[h] = moved ? exp2_ftz(m_i[h] - rowmax[h]) : 1.f;  // (both finite: see M_START)
@@ -887,9 +888,9 @@ __device__ void rescale_O(float (&O_i)[d / 8][4], const float (&alpha)[2]) {
 // entry's factor 1 / (1 - p) is left to O_i's normalisation (write_O_L): no multiply per entry.
 template <typename T>
 __device__ void exp_and_pack(uint32_t& row_g, uint32_t& row_g8, const float (&s)[4], const float (&m_i)[2],
-                             float (&l_i)[2], uint32_t kept = ~0u) {
+                             float (&l_i)[2], uint32_t kept = ~0u, float f = 1.f) {
   float p[4];
-  for (int e = 0; e < 4; e++) p[e] = exp2_ftz(s[e] - m_i[e / 2]);
+  for (int e = 0; e < 4; e++) p[e] = exp2_ftz(fmaf(s[e], f, -m_i[e / 2]));
   l_i[0] += p[0] + p[1], l_i[1] += p[2] + p[3];
   row_g = pack<T>(p[0], p[1]), row_g8 = pack<T>(p[2], p[3]);
   if (DROPOUT) row_g &= Dropout::packed(kept, 0), row_g8 &= Dropout::packed(kept, 1);
@@ -1207,9 +1208,10 @@ __device__ void mma_m16n8k32_s8(float (&d)[4], const uint32_t (&a)[4], uint32_t 
 }
 // The s32 sums as floats without a conversion instruction: a sum starts from the bits of SUM_START = 1.5 * 2^23
 // (0x4B400000), and adding an integer n, |n| < 2^22 (|n| <= 128 * 127^2 at d = 128), to those bits gives the bits of
-// the float SUM_START + n, from which one FADD recovers n exactly. With the loads of l.7 in one lambda (load_KV),
-// this FADD in place of an I2FP leaves the int8 kernel 20 bytes of spills at d = 128 where it had 48, and it ran
-// 1.06-1.08x faster there (H200; neither change alone gave more than 1.04x: notebook 11, section 7).
+// the float SUM_START + n, from which one FADD recovers n exactly (or none: flash_fwd_ampere folds SUM_START into
+// the softmax). With the loads of l.7 in one lambda (load_KV), this FADD in place of an I2FP left the int8 kernel 20
+// bytes of spills at d = 128 where it had 48, and it ran 1.06-1.08x faster there (H200; neither change alone gave
+// more than 1.04x: notebook 11, section 7).
 [[maybe_unused]] constexpr float SUM_START = 12582912.f;  // (unused by the 16-bit builds)
 // S_ij's product over one 32-byte k slice: 16 values of T, or 32 of int8 (TQK = signed char)
 template <typename TQK>
@@ -1365,22 +1367,38 @@ flash_fwd_ampere(Rows<const TQK> Q, Rows<const TQK> K, Rows<const T> V, Rows<T> 
           mma_qk<TQK>(S[m][nt], Q_frag[m], b[0], b[1]), mma_qk<TQK>(S[m][nt + 1], Q_frag[m], b[2], b[3]);
       }
     }
+    // l.9's scale: where the scores are only scaled, it goes into the exponent's FFMA, P_ij = exp2(f S_ij - m_i),
+    // and the maximum is scaled once (update_row_max), as in the hopper kernel; else apply_scores applies it. (An
+    // FMUL and an FADD per entry became one FFMA: 1.04-1.07x on an H200 at d = 64 and 128; int8 1.10-1.14x at 64.)
     Scores sc_j = sc;
-    if constexpr (int8) {  // the int32 sums, in S's registers, as floats; s_Q,i s_K,j joins the scale
+    if constexpr (int8) {  // s_Q,i s_K,j joins the scale
       const float s = scales.q[head_index() * scales.T_q + row0 / QUANT_ROWS] *
                       scales.k[head_index() / group * scales.T_k + j * B_c / QUANT_ROWS];
       sc_j.scale_log2 *= s, sc_j.cap_in *= s;
+    }
+    const bool fused = sc.plain() && sc_j.scale_log2 > 0.f;
+    const float f = fused ? sc_j.scale_log2 : 1.f;
+    // int8: S holds SUM_START + n (see there). Fused, the offset stays: the maximum subtracts it once per row,
+    // and the exponent's FFMA as part of its bias, m_i + f SUM_START, whose rounding moves an exponent by at most
+    // f (base 2), one step of the int8 scores (their own rounding moves them by hundreds). Else it goes first.
+    const float offset = int8 && fused ? SUM_START : 0.f;
+    if (int8 && !fused)
       for (int m = 0; m < M; m++)
         for (int nt = 0; nt < B_c / 8; nt++)
           for (int e = 0; e < 4; e++) S[m][nt][e] -= SUM_START;
-    }
     const bool masked = mask.any(row0, B_r, j * B_c, B_c);  // any masked entry in the block?
+    // Lazy rescaling (update_row_max): on an H200 (bf16, N = 4096 and 16384, causal and not) 1.02-1.04x at d = 32,
+    // 1.04-1.05x at 64, 1.01-1.03x at 96 and 128, 0.99-1.00x at 256; the int8 kernel 1.02-1.03x at 128, 0.92-0.94x at 64
+    constexpr int tau = int8 && d <= 64 ? 0 : 8;
+    float bias[M][2];  // P_ij = exp2(f S_ij - bias)
 #pragma unroll
     for (int m = 0; m < M; m++) {  // l.9, and the rescaling of O_i in l.10
       float alpha[2];
-      apply_scores<B_c>(S[m], {r + 16 * m, r + 16 * m + 8}, j * B_c + 2 * t, sc_j, masked, {slope, slope});
-      update_row_max<B_c>(S[m], m_i[m], l_i[m], alpha);
-      rescale_O<d>(O_i[m], alpha);
+      if (fused) apply_mask<B_c>(S[m], {r + 16 * m, r + 16 * m + 8}, j * B_c + 2 * t, mask, masked);
+      else apply_scores<B_c>(S[m], {r + 16 * m, r + 16 * m + 8}, j * B_c + 2 * t, sc_j, masked, {slope, slope});
+      update_row_max<B_c, tau>(S[m], m_i[m], l_i[m], alpha, f, offset);
+      if (tau == 0 || __any_sync(~0u, alpha[0] != 1.f || alpha[1] != 1.f)) rescale_O<d>(O_i[m], alpha);
+      for (int h = 0; h < 2; h++) bias[m][h] = int8 ? m_i[m][h] + f * offset : m_i[m][h];
     }
     uint4 kept[M];  // dropout: Dropout::kept of the 32 keys of slices kk and kk ^ 1 (B_c = 16: of block j)
 #pragma unroll
@@ -1389,8 +1407,8 @@ flash_fwd_ampere(Rows<const TQK> Q, Rows<const TQK> K, Rows<const T> V, Rows<T> 
       for (int m = 0; m < M; m++) {
         if (DROPOUT && kk % 2 == 0) kept[m] = sc.dropout.kept(r + 16 * m, j * B_c + 16 * kk + 2 * t);
         const uint2 tiles = Dropout::slice(kept[m], j * B_c + 16 * kk);
-        exp_and_pack<T>(P_frag[m][0], P_frag[m][1], S[m][2 * kk], m_i[m], l_i[m], tiles.x);      // keys 16kk..
-        exp_and_pack<T>(P_frag[m][2], P_frag[m][3], S[m][2 * kk + 1], m_i[m], l_i[m], tiles.y);  // +8..
+        exp_and_pack<T>(P_frag[m][0], P_frag[m][1], S[m][2 * kk], bias[m], l_i[m], tiles.x, f);      // keys 16kk..
+        exp_and_pack<T>(P_frag[m][2], P_frag[m][3], S[m][2 * kk + 1], bias[m], l_i[m], tiles.y, f);  // +8..
       }
       for (int nt = 0; nt < d / 8; nt += 2) {
         uint32_t b[4];  // B fragments of V_j, transposed on the way (addresses as in the Turing kernel)
@@ -3374,7 +3392,7 @@ template <typename T, int d, int B_c = d <= 64 ? 128 : 64>
 void fwd_ampere(const at::Tensor& Q, const at::Tensor& K, const at::Tensor& V, at::Tensor& O, at::Tensor& L,
                 const Scores& sc, cudaStream_t stream) {
   // Four warps of M = 2 tiles of 16 rows, B_r = 128, and B_c = 128 (d <= 64) or 64, as FlashAttention-2 on
-  // sm_90; these were faster than key blocks half that size. At d = 128, 255 registers (nvcc 13.0: and 40
+  // sm_90; these were faster than key blocks half that size. At d = 128, 255 registers (nvcc 13.0: and 8
   // bytes of spills) let two blocks share an SM. Past d = 128 one tile per warp (M = 1, B_r = 64) keeps O_i
   // in registers.
   // Where a block gets less shared memory (d = 128: 102 KB, more than the 99 KB of sm_86 and sm_89; d = 256:
@@ -3741,7 +3759,8 @@ void fwd_8bit(const at::Tensor& Q, const at::Tensor& K, const at::Tensor& V, at:
          rows<T>(O), ptr<float>(L), sc, group(Q, K), scales);
 }
 #else
-// The ampere kernel's tiles, with int8 Q_i and K_j, but B_c = 64 at d = 64 too (128 keys: 132 bytes of spills).
+// The ampere kernel's tiles, with int8 Q_i and K_j, but B_c = 64 at d = 64 too (128 keys: 132 bytes of spills). (Eight
+// warps of one 16-row tile, two blocks per SM, ran at 0.89x at d = 128 on an H200: notebook 11, section 7.)
 template <typename T, bool V_TRANSPOSED, int B_c = 64>
 void fwd_8bit(const at::Tensor& Q, const at::Tensor& K, const at::Tensor& V, at::Tensor& O, at::Tensor& L,
               const Scores& sc, const Scales& scales, cudaStream_t stream) {
