@@ -1388,7 +1388,7 @@ flash_fwd_ampere(Rows<const TQK> Q, Rows<const TQK> K, Rows<const T> V, Rows<T> 
           for (int e = 0; e < 4; e++) S[m][nt][e] -= SUM_START;
     const bool masked = mask.any(row0, B_r, j * B_c, B_c);  // any masked entry in the block?
     // Lazy rescaling (update_row_max): on an H200 (bf16, N = 4096 and 16384, causal and not) 1.02-1.04x at d = 32,
-    // 1.04-1.05x at 64, 1.01-1.03x at 96 and 128, 0.99-1.00x at 256; the int8 kernel 1.02-1.03x at 128, 0.92-0.94x at 64
+    // 1.04-1.05x at 64, 1.01-1.03x at 96 and 128, 0.99-1.00x at 256; int8 1.02-1.03x at d = 128, 0.92-0.94x at 64
     constexpr int tau = int8 && d <= 64 ? 0 : 8;
     float bias[M][2];  // P_ij = exp2(f S_ij - bias)
 #pragma unroll
@@ -3759,8 +3759,8 @@ void fwd_8bit(const at::Tensor& Q, const at::Tensor& K, const at::Tensor& V, at:
          rows<T>(O), ptr<float>(L), sc, group(Q, K), scales);
 }
 #else
-// The ampere kernel's tiles, with int8 Q_i and K_j, but B_c = 64 at d = 64 too (128 keys: 132 bytes of spills). (Eight
-// warps of one 16-row tile, two blocks per SM, ran at 0.89x at d = 128 on an H200: notebook 11, section 7.)
+// The ampere kernel's tiles, with int8 Q_i and K_j, but B_c = 64 at d = 64 too (128 keys: 36 bytes of spills, and
+// 0.97-0.99x on an H200). Eight warps of one 16-row tile, two blocks per SM, ran at 0.89x at d = 128 (notebook 11).
 template <typename T, bool V_TRANSPOSED, int B_c = 64>
 void fwd_8bit(const at::Tensor& Q, const at::Tensor& K, const at::Tensor& V, at::Tensor& O, at::Tensor& L,
               const Scores& sc, const Scales& scales, cudaStream_t stream) {
