@@ -875,9 +875,11 @@ __device__ void update_row_max(const float (&S)[B_c / 8][4], float (&m_i)[2], fl
   }
 }
 
-// l.10, first half: O_i^(j-1) times alpha, row by row
-template <int d>
+// l.10, first half: O_i^(j-1) times alpha, row by row. With lazy rescaling (tau > 0, update_row_max) a warp none of
+// whose rows moved m_i skips it (a branch all lanes take).
+template <int d, int tau = 0>
 __device__ void rescale_O(float (&O_i)[d / 8][4], const float (&alpha)[2]) {
+  if (tau > 0 && !__any_sync(~0u, alpha[0] != 1.f || alpha[1] != 1.f)) return;
   for (int nt = 0; nt < d / 8; nt++)
     for (int e = 0; e < 4; e++) O_i[nt][e] *= alpha[e / 2];
 }
@@ -1397,7 +1399,7 @@ flash_fwd_ampere(Rows<const TQK> Q, Rows<const TQK> K, Rows<const T> V, Rows<T> 
       if (fused) apply_mask<B_c>(S[m], {r + 16 * m, r + 16 * m + 8}, j * B_c + 2 * t, mask, masked);
       else apply_scores<B_c>(S[m], {r + 16 * m, r + 16 * m + 8}, j * B_c + 2 * t, sc_j, masked, {slope, slope});
       update_row_max<B_c, tau>(S[m], m_i[m], l_i[m], alpha, f, offset);
-      if (tau == 0 || __any_sync(~0u, alpha[0] != 1.f || alpha[1] != 1.f)) rescale_O<d>(O_i[m], alpha);
+      rescale_O<d, tau>(O_i[m], alpha);
       for (int h = 0; h < 2; h++) bias[m][h] = int8 ? m_i[m][h] + f * offset : m_i[m][h];
     }
     uint4 kept[M];  // dropout: Dropout::kept of the 32 keys of slices kk and kk ^ 1 (B_c = 16: of block j)
@@ -2342,10 +2344,7 @@ flash_fwd_hopper(const __grid_constant__ CUtensorMap Q_map, const __grid_constan
       wgmma_commit();
     };
     mbar_wait(Q_full, 0);
-    // O_i *= alpha; with tau > 0 the warp skips it where none of its rows moved m_i (a branch all lanes take)
-    auto rescale = [&] {
-      if (tau == 0 || __any_sync(~0u, alpha[0] != 1.f || alpha[1] != 1.f)) rescale_O<d>(O_i, alpha);
-    };
+    auto rescale = [&] { rescale_O<d, tau>(O_i, alpha); };  // O_i *= alpha
     forward_schedule<NWG, STAGES, d == 128>(wg, n_blocks, S, O_i, full, empty, [](int) {}, issue_S, issue_PV, softmax,
                                             to_P, rescale);
     // l.12-15, O_i / l_i through shared memory: into this warpgroup's rows of Q_i's panels (only its own products
