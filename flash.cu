@@ -1720,7 +1720,8 @@ struct DecodeBlock {
   static constexpr int B_c = 64, ld = d + 8;  // keys per block; row stride of the queries in shared memory
   static constexpr int MAX_SPLITS = 128;          // (merge_row holds MAX_SPLITS / 32 of L_s per lane)
   static constexpr int threads = 32 * NW;
-  static constexpr uint32_t parts_bytes = NW * 16 * (d + 2) * sizeof(float);  // write's scratch
+  static constexpr int ld_O = d + 8;  // row stride of the warps' parts O_s (see write)
+  static constexpr uint32_t parts_bytes = NW * 16 * (ld_O + 2) * sizeof(float);  // write's scratch
   int G, N_q, rows, tiles, H_q, h_kv, row0;   // this block's rows: row0 .. row0 + 15 of the G * N_q
   Scores sc;                                  // its mask with this sequence's N_k
   int j_begin, j_end;                         // this split's key blocks
@@ -1790,14 +1791,18 @@ struct DecodeBlock {
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
     float* m_s = scratch;        // (NW, 16)     each warp's m_i
     float* l_s = m_s + NW * 16;  // (NW, 16)     each warp's l_i
-    float* O_s = l_s + NW * 16;  // (NW, 16, d)  each warp's O_i (not divided by l_i)
+    float* O_s = l_s + NW * 16;  // (NW, 16, d)  each warp's O_i (not divided by l_i), row stride ld_O
     for (int h = 0; h < 2; h++) {
       l_i[h] += __shfl_xor_sync(~0u, l_i[h], 1);  // the row's sum over the 4 lanes of its quad
       l_i[h] += __shfl_xor_sync(~0u, l_i[h], 2);
       const int x = 16 * warp + g + 8 * h;
       if (t == 0) m_s[x] = m_i[h], l_s[x] = l_i[h];
+      // Only the tile's real rows (a decoding tile of G = 4 heads has 4 of its 16), d + 8 floats apart: a half-warp's
+      // 16 stores of 8 bytes then cover the 32 banks once (at a stride of d floats all 8 rows g fall on the same 8
+      // banks: 8 passes a store where 2 suffice). This runs after the last copy, so it adds to every tile's time.
+      if (row0 + g + 8 * h >= rows) continue;
       for (int nt = 0; nt < d / 8; nt++)
-        *reinterpret_cast<float2*>(&O_s[x * d + 8 * nt + 2 * t]) = make_float2(O_i[nt][2 * h], O_i[nt][2 * h + 1]);
+        *reinterpret_cast<float2*>(&O_s[x * ld_O + 8 * nt + 2 * t]) = make_float2(O_i[nt][2 * h], O_i[nt][2 * h + 1]);
     }
     __syncthreads();  // every warp's part is in shared memory
     for (int idx = threadIdx.x; idx < 16 * d / 2; idx += threads) {  // two columns c, c + 1 of row row0 + x
@@ -1807,7 +1812,8 @@ struct DecodeBlock {
       for (int w = 0; w < NW; w++) m = fmaxf(m, m_s[16 * w + x]);
       for (int w = 0; w < NW; w++) {
         const float f = exp2_ftz(m_s[16 * w + x] - m);
-        l += f * l_s[16 * w + x], o0 += f * O_s[(16 * w + x) * d + c], o1 += f * O_s[(16 * w + x) * d + c + 1];
+        const float2 o = *reinterpret_cast<const float2*>(&O_s[(16 * w + x) * ld_O + c]);
+        l += f * l_s[16 * w + x], o0 += f * o.x, o1 += f * o.y;
       }
       const int h = head(row0 + x), n = query(row0 + x);
       const size_t q = ((size_t)blockIdx.z * H_q + h) * N_q + n;  // the row's index in L (B, H_q, N_q)
