@@ -45,7 +45,7 @@ is MISMATCH or ERROR, 1 without a GPU. --out (default bench_results/) gets resul
 pandas.DataFrame(json.load(f)["rows"])) and the figures; --plot-from draws the figures beside its file.
 """
 import argparse, contextlib, datetime, gc, importlib.metadata, importlib.util, itertools, json  # noqa: E401
-import math, os, re, shlex, sys, warnings  # noqa: E401
+import math, os, re, shlex, statistics, sys, warnings  # noqa: E401
 from collections import Counter
 from pathlib import Path
 
@@ -216,6 +216,8 @@ def parse_args(argv):
         "system: ours that take bf16 and SDPA's backends; the flags above from --dtype to --deterministic do not apply")
     add("--decode-kv-heads", type=comma_list(int), metavar="LIST", default="32,8", help=f"K, V heads H_kv, "
         f"divisors of H_q = {DECODE_HEADS} (default: %(default)s)")
+    add("--decode-rounds", type=int, default=3, metavar="R", help="timings of each decoding row, taking turns over "
+        "the systems; the row shows their median (default: %(default)s)")
     args = parser.parse_args(argv)
     if args.quick:
         args = parser.parse_args(QUICK + argv)  # flags given come after the preset's, so they win
@@ -226,6 +228,8 @@ def parse_args(argv):
             parser.error(f"--decode-kv-heads: each must divide H_q = {DECODE_HEADS}")
         if set(args.kernels or []) - set(decode_systems):
             parser.error(f"--decode runs only {','.join(decode_systems)}")
+        if args.decode_rounds < 1:
+            parser.error(f"--decode-rounds: at least 1, not {args.decode_rounds}")
         systems = decode_systems
     if args.model:
         model_systems = [*SDPA, *(kernel["name"] for kernel in list_kernels() if "bfloat16" in kernel["dtypes"])]
@@ -447,6 +451,17 @@ def bench_decode_problem(problem, kernels, args, peak):
         row.update((key, value) for key, value in result.items() if key in row)  # all but the peak memory
         if row["status"] == "OOM":
             gc.collect()
+    # More rounds, taking turns over the systems, and each row's median: one timing of a step of 15-50 us can be
+    # several per cent off (a slow stretch of the host or the GPU), and then the ratio to SDPA with it
+    timed = [row for row in rows if row["status"] == "ok"]
+    times = [[row["ms"]] for row in timed]
+    for _ in range(args.decode_rounds - 1):
+        for row, row_times in zip(timed, times):
+            attn, backend = attention_fn(row["system"], False, DECODE_HEAD_DIM ** -0.5), SDPA.get(row["system"])
+            with sdpa_kernel(getattr(SDPBackend, backend)) if backend else contextlib.nullcontext():
+                row_times.append(time_ms(lambda: attn(q, k, v), args.warmup, args.rep))
+    for row, row_times in zip(timed, times):
+        row["ms"] = statistics.median(row_times)
     yield from add_bandwidth(rows, peak)
 
 
@@ -496,7 +511,7 @@ def run_sweep(args, command):
 def run_decode(args, command):
     """Run every requested decoding problem, one K, V cache at a time; print its rows as it completes."""
     kernels, metadata = prepare(args, command, f"H_q={DECODE_HEADS}, d={DECODE_HEAD_DIM}, N_q=1", [DECODE_HEAD_DIM],
-                                sweep="decode")
+                                sweep="decode", rounds=args.decode_rounds)
     print(*table_lines([], DECODE_COLUMNS), sep="\n")
     rows = []
     for dtype, batch, seqlen_k, kv_heads in itertools.product(args.dtype, args.decode_batch, args.decode_seqlens,
@@ -757,7 +772,8 @@ def write_decode_section(path, metadata, rows, figures, results, render_command)
              "Bandwidth is the limit: decoding reads the cache once, at two FLOPs per element read, so GB/s counts "
              "the bytes of K and V once plus q and o, and %HBM compares them with the GPU's peak memory bandwidth "
              + (f"({peak} TB/s)." if peak else "(not in bench.py's table for this GPU)."),
-             "vs SDPA is the time of `sdpa` (its default backend choice) over the row's; above 1 is faster.",
+             f"ms is the median of {metadata.get('rounds', 1)} timings, each over all the systems in turn before the "
+             "next, and vs SDPA is the time of `sdpa` (its default backend choice) over the row's; above 1 is faster.",
              "OOM: the cache and the float32 reference do not fit, or the system ran out of memory.",
              "Max err is against float32 attention on the same inputs.", ""] + how_measured(metadata, render_command)
     lines += [f"![decoding]({link(figure, path)})" for figure in figures] + [""]

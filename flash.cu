@@ -3753,7 +3753,7 @@ std::vector<at::Tensor> quantize(const at::Tensor& X, const std::optional<at::Te
 // 3 stages of K_j, V_j and V_j^T (48 KB each at d = 128) and Q_i: 161 KB. (4 stages, 209 KB, measured no faster on an
 // H100: 1.11-1.26x the hopper fp16 kernel with 3, 1.12-1.24x with 4, d = 128, N = 4096 and 16384.) Three consumers at
 // d = 64, where O_i's 32 registers leave a third one room in 152 (no spills): 1.13-1.31x two consumers on an H200
-// (bf16, N = 4096 and 16384, causal and not); at d = 128 a third would spill (notebook 11, section 7).
+// (bf16, N = 4096 and 16384, causal and not); at d = 128 a third spills, or with 64-key steps is slower (notebook 11).
 template <typename T, bool V_TRANSPOSED, int STAGES = 3>
 void fwd_8bit(const at::Tensor& Q, const at::Tensor& K, const at::Tensor& V, at::Tensor& O, at::Tensor& L,
               const Scores& sc, const Scales& scales, cudaStream_t stream) {

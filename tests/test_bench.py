@@ -259,18 +259,21 @@ def test_decode_flags_and_their_defaults():
     assert args.decode
     assert (args.decode_batch, args.decode_seqlens, args.decode_kv_heads) == ([1, 8, 32], [4096, 32768, 131072],
                                                                               [32, 8])
+    assert args.decode_rounds == 3  # each row the median of three timings
     assert args.dtype == ["fp16", "bf16"]  # fp32 only when asked for
     split_kv = [kernel["name"] for kernel in bench.list_kernels() if kernel["split_kv"]]  # ours that decode
     assert args.systems == [*split_kv, "sdpa", "sdpa-flash", "sdpa-cudnn", "manual"]  # manual last: the most memory
     args = bench.parse_args(["--decode", "--dtype", "bf16,fp32", "--kernels", "manual,sdpa-cudnn,sdpa",
                              "--decode-batch", "2,4", "--decode-seqlens", "1024", "--decode-kv-heads", "1,4,32",
-                             "--warmup", "1", "--rep", "5", "--out", "elsewhere", "--markdown", "page.md"])
-    assert (args.dtype, args.systems) == (["bf16", "fp32"], ["sdpa", "sdpa-cudnn", "manual"])
+                             "--warmup", "1", "--rep", "5", "--out", "elsewhere", "--markdown", "page.md",
+                             "--decode-rounds", "1"])
+    assert (args.dtype, args.systems, args.decode_rounds) == (["bf16", "fp32"], ["sdpa", "sdpa-cudnn", "manual"], 1)
     assert (args.decode_batch, args.decode_seqlens, args.decode_kv_heads) == ([2, 4], [1024], [1, 4, 32])
     assert (args.warmup, args.rep, args.out, args.markdown) == (1.0, 5.0, Path("elsewhere"), Path("page.md"))
 
 
 @pytest.mark.parametrize("argv", [["--decode", "--decode-kv-heads", "32,5"],  # 5 does not divide H_q = 32
+                                  ["--decode", "--decode-rounds", "0"],  # no timing
                                   ["--decode", "--kernels", "sdpa-math"],  # not a decoding system
                                   ["--decode", "--kernels", "volta"],  # no split-KV kernel
                                   ["--decode-batch", "one"], ["--decode-seqlens", ","]])
