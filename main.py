@@ -214,7 +214,7 @@ def _stream(t):
 
 def _on_device(t):
     """torch.cuda.device(t.device) where that is not the current device: the extensions launch on the current one."""
-    return contextlib.nullcontext() if t.device.index == torch.cuda.current_device() else torch.cuda.device(t.device)
+    return contextlib.nullcontext() if t.get_device() == torch.cuda.current_device() else torch.cuda.device(t.device)
 
 
 def _padded(t, D):
@@ -323,42 +323,44 @@ _forward.register_autograd(_autograd_backward, setup_context=_setup_context)
 def _check_inputs(q, k, v, causal, softmax_scale, kernel, return_lse, window=(-1, -1), alibi_slopes=None, softcap=0.0,
                   B=None):
     """Every check that needs no GPU, in Python, before any launch (the kernel's fit is checked by pick_kernel
-    inside the op, which knows the GPU). B: the number of sequences, if not q's first dimension."""
+    inside the op, which knows the GPU). B: the number of sequences, if not q's first dimension. (Each shape is
+    read once and devices are compared by index: a decoding call's checks cost the host a few microseconds.)"""
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
         if t.dim() != 4:
             raise ValueError(f"{name} must have 4 dimensions (B, H, N, d), got shape {tuple(t.shape)}")
-    if k.shape != v.shape:
-        raise ValueError(f"k and v must have the same shape (B, H_kv, N_k, d), got {tuple(k.shape)}, {tuple(v.shape)}")
-    if q.shape[0] != k.shape[0] or q.shape[3] != k.shape[3]:
+    q_shape, k_shape = q.shape, k.shape
+    if k_shape != v.shape:
+        raise ValueError(f"k and v must have the same shape (B, H_kv, N_k, d), got {tuple(k_shape)}, {tuple(v.shape)}")
+    if q_shape[0] != k_shape[0] or q_shape[3] != k_shape[3]:
         raise ValueError(f"q (B, H_q, N_q, d) and k, v (B, H_kv, N_k, d) must have the same B and d, got "
-                         f"{tuple(q.shape)} and {tuple(k.shape)}")
-    if (k.shape[1] == 0 and q.shape[1] > 0) or (k.shape[1] > 0 and q.shape[1] % k.shape[1]):
+                         f"{tuple(q_shape)} and {tuple(k_shape)}")
+    if (k_shape[1] == 0 and q_shape[1] > 0) or (k_shape[1] > 0 and q_shape[1] % k_shape[1]):
         raise ValueError(f"the query heads H_q must be a multiple of the key/value heads H_kv (grouped-query "
-                         f"attention), got H_q = {q.shape[1]}, H_kv = {k.shape[1]}")
-    for name, t in (("q", q), ("k", k), ("v", v)):
-        if t.dtype not in DTYPES:
-            raise TypeError(f"{name} must be float32, float16 or bfloat16, got {t.dtype}")
-    if not (q.dtype == k.dtype == v.dtype):
+                         f"attention), got H_q = {q_shape[1]}, H_kv = {k_shape[1]}")
+    if not (q.dtype == k.dtype == v.dtype and q.dtype in DTYPES):
+        for name, t in (("q", q), ("k", k), ("v", v)):
+            if t.dtype not in DTYPES:
+                raise TypeError(f"{name} must be float32, float16 or bfloat16, got {t.dtype}")
         raise TypeError(f"q, k, v must have one dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
     _check_causal_and_scale(causal, softmax_scale)
     if not isinstance(return_lse, bool):
         raise TypeError(f"return_lse must be True or False, got {return_lse!r}")
-    _check_scores(q, window, alibi_slopes, softcap, q.shape[0] if B is None else B)
+    _check_scores(q, window, alibi_slopes, softcap, q_shape[0] if B is None else B)
     if not isinstance(kernel, str):
         raise TypeError(f"kernel must be a string, got {type(kernel).__name__}")
     if kernel != "auto" and kernel not in KERNELS:
         raise ValueError(f"unknown kernel {kernel!r}; valid: 'auto', " + ", ".join(repr(n) for n in KERNELS))
     for name, t in (("q", q), ("k", k), ("v", v)):
-        if t.device.type != "cuda":
+        if not t.is_cuda:
             raise ValueError(f"{name} must be a CUDA tensor, got a tensor on {t.device}")
-    if not (q.device == k.device == v.device):
+    if not (q.get_device() == k.get_device() == v.get_device()):
         raise ValueError(f"q, k, v must be on one device, got {q.device}, {k.device}, {v.device}")
-    if not 1 <= q.shape[3] <= MAX_HEAD_DIM:
-        raise ValueError(f"the head dim d must be between 1 and {MAX_HEAD_DIM}, got {q.shape[3]}")
-    if q.shape[0] > MAX_GRID or q.shape[1] > MAX_GRID:
-        raise ValueError(f"B and H must each be at most {MAX_GRID}, got B = {q.shape[0]}, H = {q.shape[1]}")
+    if not 1 <= q_shape[3] <= MAX_HEAD_DIM:
+        raise ValueError(f"the head dim d must be between 1 and {MAX_HEAD_DIM}, got {q_shape[3]}")
+    if q_shape[0] > MAX_GRID or q_shape[1] > MAX_GRID:
+        raise ValueError(f"B and H must each be at most {MAX_GRID}, got B = {q_shape[0]}, H = {q_shape[1]}")
 
 
 def _check_causal_and_scale(causal, softmax_scale):
@@ -452,12 +454,12 @@ def flash_attention(q, k, v, causal=False, softmax_scale=None, kernel="auto", re
     """
     _check_dropout(dropout_p, deterministic, dropout_seed)
     _check_inputs(q, k, v, causal, softmax_scale, kernel, return_lse, window, alibi_slopes, softcap)
-    deterministic = torch.are_deterministic_algorithms_enabled() if deterministic is None else deterministic
     scale = 1.0 / math.sqrt(q.shape[-1]) if softmax_scale is None else float(softmax_scale)
     window, softcap, alibi_slopes = _options(causal, window, alibi_slopes, softcap)
     dropout = float(dropout_p), _dropout_key(dropout_p, dropout_seed, q.device)
     if torch.compiler.is_compiling() or (torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or
                                                                       v.requires_grad)):
+        deterministic = torch.are_deterministic_algorithms_enabled() if deterministic is None else deterministic
         o, L = _forward(q, k, v, *window, scale, softcap, alibi_slopes, kernel, *dropout, deterministic)
     else:  # inference, eagerly: the kernels without the op's dispatch, which costs as much as a decoding step
         o, L = _run_forward(q, k, v, window, scale, softcap, alibi_slopes, kernel, dropout_p=dropout[0],
