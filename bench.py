@@ -303,6 +303,12 @@ def attention_fn(system, causal, scale, window=(-1, -1), dropout=0.0, determinis
                                            deterministic=deterministic)
 
 
+def only_backend(system):
+    """The context in which SDPA runs this system's backend alone (for SDPA's default and ours: no constraint)."""
+    backend = SDPA.get(system)
+    return sdpa_kernel(getattr(SDPBackend, backend)) if backend else contextlib.nullcontext()
+
+
 def measure(system, inputs, refs, mode, causal, scale, tolerance, args, window=(-1, -1)):
     """Check one system against the reference, then measure its peak memory and time: part of a row."""
     attn = attention_fn(system, causal, scale, window, args.dropout, args.deterministic)
@@ -310,8 +316,7 @@ def measure(system, inputs, refs, mode, causal, scale, tolerance, args, window=(
     if mode != "fwd":
         q, k, v = (t.detach().requires_grad_() for t in (q, k, v))
     try:
-        only_backend = sdpa_kernel(getattr(SDPBackend, backend)) if backend else contextlib.nullcontext()
-        with warnings.catch_warnings(), only_backend:
+        with warnings.catch_warnings(), only_backend(system):
             if backend:  # a refused backend warns at length before raising; the raise is enough
                 warnings.simplefilter("ignore")
             o = attn(q, k, v)
@@ -453,15 +458,14 @@ def bench_decode_problem(problem, kernels, args, peak):
             gc.collect()
     # More rounds, taking turns over the systems, and each row's median: one timing of a step of 15-50 us can be
     # several per cent off (a slow stretch of the host or the GPU), and then the ratio to SDPA with it
-    timed = [row for row in rows if row["status"] == "ok"]
-    times = [[row["ms"]] for row in timed]
+    timed = [(row, attention_fn(row["system"], False, DECODE_HEAD_DIM ** -0.5), [row["ms"]])
+             for row in rows if row["status"] == "ok"]
     for _ in range(args.decode_rounds - 1):
-        for row, row_times in zip(timed, times):
-            attn, backend = attention_fn(row["system"], False, DECODE_HEAD_DIM ** -0.5), SDPA.get(row["system"])
-            with sdpa_kernel(getattr(SDPBackend, backend)) if backend else contextlib.nullcontext():
-                row_times.append(time_ms(lambda: attn(q, k, v), args.warmup, args.rep))
-    for row, row_times in zip(timed, times):
-        row["ms"] = statistics.median(row_times)
+        for row, attn, times in timed:
+            with only_backend(row["system"]):
+                times.append(time_ms(lambda: attn(q, k, v), args.warmup, args.rep))
+    for row, _, times in timed:
+        row["ms"] = statistics.median(times)
     yield from add_bandwidth(rows, peak)
 
 
@@ -585,7 +589,7 @@ def bench_model_system(system, tokens):
     events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
               for _ in range(MODEL_STEPS[1])]
     try:
-        with sdpa_kernel(getattr(SDPBackend, backend)) if backend else contextlib.nullcontext():
+        with only_backend(system):
             losses = [step() for _ in range(MODEL_STEPS[0])]  # the first compiles: the backend is chosen there
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats()
