@@ -44,8 +44,8 @@ backend refused, or a kernel has no backward for the dtype), MISMATCH (not timed
 is MISMATCH or ERROR, 1 without a GPU. --out (default bench_results/) gets results.json or decode.json (a table:
 pandas.DataFrame(json.load(f)["rows"])) and the figures; --plot-from draws the figures beside its file.
 """
-import argparse, contextlib, datetime, gc, importlib.metadata, importlib.util, itertools, json  # noqa: E401
-import math, os, re, shlex, statistics, sys, warnings  # noqa: E401
+import argparse, contextlib, datetime, gc, itertools, json  # noqa: E401
+import math, os, re, shlex, statistics, sys, time, warnings  # noqa: E401
 from collections import Counter
 from pathlib import Path
 
@@ -109,7 +109,7 @@ DECODE_COLUMNS = [("dtype", "dtype", 5, "{}"), ("batch", "B", 3, "{}"), ("heads"
                   ("kv_heads", "H_kv", 4, "{}"), ("seqlen_k", "N_k", 6, "{}"), ("system", "system", 10, "{}"),
                   ("status", "status", 11, "{}"), ("ms", "ms", 9, "{:.3f}"), ("gbps", "GB/s", 6, "{:.0f}"),
                   ("pct_hbm", "%HBM", 5, "{:.1f}"), ("vs_sdpa", "vs SDPA", 7, "{:.2f}x"),
-                  ("max_error", "max err", 7, "{:.0e}")]
+                  ("host_us", "host µs", 7, "{:.1f}"), ("max_error", "max err", 7, "{:.0e}")]
 DECODE_ROW_FIELDS = [field for field, *_ in DECODE_COLUMNS] + ["note"]
 # Inside a model: nanoGPT's GPT-2 small (width 768, 12 heads of d = 64, GPT-2's vocabulary padded to 50304) with 6
 # layers, at T = 1024 and B = 16, as FlashAttention-3's and nanoGPT's training runs hold it; our kernels run causal.
@@ -464,9 +464,26 @@ def bench_decode_problem(problem, kernels, args, peak):
         for row, attn, times in timed:
             with only_backend(row["system"]):
                 times.append(time_ms(lambda: attn(q, k, v), args.warmup, args.rep))
-    for row, _, times in timed:
+    for row, attn, times in timed:
         row["ms"] = statistics.median(times)
+        with only_backend(row["system"]):  # (10 to 200 calls: about 20 ms of the GPU's time a loop)
+            row["host_us"] = host_us(lambda: attn(q, k, v), calls=max(10, min(200, int(20 / row["ms"]))))
     yield from add_bandwidth(rows, peak)
+
+
+def host_us(fn, calls=200):
+    """The host's time for one call of fn in microseconds (Python, checks, launches), the least of three loops of
+    `calls` back to back: they queue on the GPU without waiting for it (the queue holds them all)."""
+    fn()
+    torch.cuda.synchronize()
+    best = math.inf
+    for _ in range(3):
+        start = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        best = min(best, (time.perf_counter() - start) / calls * 1e6)
+        torch.cuda.synchronize()
+    return best
 
 
 def prepare(args, command, shapes, head_dims, **extra):
@@ -480,8 +497,7 @@ def prepare(args, command, shapes, head_dims, **extra):
         print(f"note: kernel {name} needs {kernels[name]['gpus']}; skipped on this GPU")
     build([name for name in args.systems if name in kernels and kernels[name]["available"]],  # in parallel, first
           [tile_dim(name, d) for name in kernels for d in head_dims if d <= max(kernels[name]["head_dims"])])
-    timer = (f"triton {importlib.metadata.version('triton')} do_bench" if importlib.util.find_spec("triton")
-             else "CUDA events, L2 flushed")  # what main.time_ms uses
+    timer = "main.time_ms (CUDA events, L2 flushed, the host kept ahead)"
     major, minor = torch.cuda.get_device_capability()
     metadata = {"gpu": torch.cuda.get_device_name(), "compute_capability": f"sm_{major}{minor}",
                 "torch": torch.__version__, "cuda": torch.version.cuda, "python": sys.version.split()[0],
@@ -776,8 +792,13 @@ def write_decode_section(path, metadata, rows, figures, results, render_command)
              "Bandwidth is the limit: decoding reads the cache once, at two FLOPs per element read, so GB/s counts "
              "the bytes of K and V once plus q and o, and %HBM compares them with the GPU's peak memory bandwidth "
              + (f"({peak} TB/s)." if peak else "(not in bench.py's table for this GPU)."),
-             f"ms is the median of {metadata.get('rounds', 1)} timings, each over all the systems in turn before the "
-             "next, and vs SDPA is the time of `sdpa` (its default backend choice) over the row's; above 1 is faster.",
+             f"ms is the GPU's time for a step, the median of {metadata.get('rounds', 1)} timings, each over all the "
+             "systems in turn before the next, and vs SDPA is the time of `sdpa` (its default backend choice) over the "
+             "row's; above 1 is faster.",
+             "host µs is the host's time for a call (Python, checks, launches; the least of three loops of up to 200 "
+             "calls): "
+             "where it exceeds ms, steps run one after another eagerly wait for the host (not when replayed from a "
+             "CUDA graph).",
              "OOM: the cache and the float32 reference do not fit, or the system ran out of memory.",
              "Max err is against float32 attention on the same inputs.", ""] + how_measured(metadata, render_command)
     lines += [f"![decoding]({link(figure, path)})" for figure in figures] + [""]

@@ -821,32 +821,38 @@ def outputs(attention, q, k, v, do):
     return [o, *torch.autograd.grad(o, (q, k, v), do)]
 
 
-def time_ms(fn, warmup_ms=25, rep_ms=100):
-    """Median time of fn() in ms after warm-up: triton.testing.do_bench where Triton is installed (it
-    flushes L2 before each call), else CUDA events around calls separated by a 256 MB write that evicts L2."""
-    try:
-        from triton.testing import do_bench
-        return do_bench(fn, warmup=warmup_ms, rep=rep_ms, return_mode="median")
-    except ImportError:
-        pass
+def time_ms(fn, warmup_ms=25, rep_ms=100, group=100):
+    """Median GPU time of fn() in ms after warm-up: CUDA events around each call, L2 emptied before each by a
+    256 MB write, and the host kept ahead of the GPU. The last matters where a call's host side (Python, checks,
+    launches) takes longer than its kernels, as in a decoding step of 15 us on the GPU and 25 on the host: had the
+    GPU finished the write before the host launched the call, it would wait between the two events, and the
+    timer would measure the host. So every `group` calls are queued behind a sleep on the GPU twice as long as the
+    host takes to queue them. (bench.py --decode times the host's side apart.)"""
     flush = torch.empty(256 * 2**20, dtype=torch.int8, device="cuda")
     fn()
     torch.cuda.synchronize()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    host = time.perf_counter()
     start.record()
-    fn()
+    for _ in range(5):
+        flush.zero_()
+        fn()
     end.record()
+    host = (time.perf_counter() - host) / 5  # seconds the host takes to queue a write and a call
     end.synchronize()
-    estimate = max(start.elapsed_time(end), 1e-3)
+    estimate = max(start.elapsed_time(end) / 5, 1e-3)  # ms the GPU takes for them
     for _ in range(int(warmup_ms / estimate)):
         fn()
     events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
               for _ in range(max(5, int(rep_ms / estimate)))]
-    for start, end in events:
-        flush.zero_()
-        start.record()
-        fn()
-        end.record()
+    for first in range(0, len(events), group):
+        calls = events[first:first + group]
+        torch.cuda._sleep(int(2 * len(calls) * host * 2e9))  # (in clock cycles, 2e9 a second at most)
+        for start, end in calls:
+            flush.zero_()
+            start.record()
+            fn()
+            end.record()
     torch.cuda.synchronize()
     times = sorted(start.elapsed_time(end) for start, end in events)
     return times[len(times) // 2]

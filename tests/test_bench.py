@@ -1,4 +1,4 @@
-"""Tests for bench.py. All but the last two run on the CPU."""
+"""Tests for bench.py. All but the last three run on the CPU."""
 import argparse
 import itertools
 import json
@@ -6,6 +6,7 @@ import math
 import re
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -558,5 +559,17 @@ def test_decode_run_on_the_gpu(tmp_path):
         systems = {row["system"] for row in rows if row["status"] == "ok" and (row["dtype"], row["kv_heads"]) == (
             "fp16", kv_heads)}
         assert {"sdpa", "manual"} | ours <= systems
-    assert all(row["gbps"] > 0 and row["vs_sdpa"] > 0 for row in rows if row["status"] == "ok")
+    assert all(row["gbps"] > 0 and row["vs_sdpa"] > 0 and row["host_us"] > 0 for row in rows if row["status"] == "ok")
     assert (tmp_path / "decode.png").is_file() and bench.DECODE_TITLE in markdown.read_text()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_the_timer_measures_the_gpu_when_the_host_is_slower():
+    x = torch.zeros(1024, device="cuda")
+
+    def slow_host_fast_gpu():  # 300 us of the host's time, then a kernel of a few us
+        start = time.perf_counter()
+        while time.perf_counter() - start < 300e-6:
+            pass
+        x.add_(1)
+    assert bench.time_ms(slow_host_fast_gpu, warmup_ms=1, rep_ms=10) < 0.05  # had the GPU waited: over 0.2
