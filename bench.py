@@ -796,9 +796,8 @@ def write_decode_section(path, metadata, rows, figures, results, render_command)
              "systems in turn before the next, and vs SDPA is the time of `sdpa` (its default backend choice) over the "
              "row's; above 1 is faster.",
              "host µs is the host's time for a call (Python, checks, launches; the least of three loops of up to 200 "
-             "calls): "
-             "where it exceeds ms, steps run one after another eagerly wait for the host (not when replayed from a "
-             "CUDA graph).",
+             "calls): where it exceeds ms, steps run one after another eagerly wait for the host (not when replayed "
+             "from a CUDA graph).",
              "OOM: the cache and the float32 reference do not fit, or the system ran out of memory.",
              "Max err is against float32 attention on the same inputs.", ""] + how_measured(metadata, render_command)
     lines += [f"![decoding]({link(figure, path)})" for figure in figures] + [""]
