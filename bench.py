@@ -457,7 +457,7 @@ def bench_decode_problem(problem, kernels, args, peak):
         if row["status"] == "OOM":
             gc.collect()
     # More rounds, taking turns over the systems, and each row's median: one timing of a step of 15-50 us can be
-    # several per cent off (a slow stretch of the host or the GPU), and then the ratio to SDPA with it
+    # several per cent off (a slow stretch of the GPU), and then the ratio to SDPA with it
     timed = [(row, attention_fn(row["system"], False, DECODE_HEAD_DIM ** -0.5), [row["ms"]])
              for row in rows if row["status"] == "ok"]
     for _ in range(args.decode_rounds - 1):
@@ -466,14 +466,16 @@ def bench_decode_problem(problem, kernels, args, peak):
                 times.append(time_ms(lambda: attn(q, k, v), args.warmup, args.rep))
     for row, attn, times in timed:
         row["ms"] = statistics.median(times)
-        with only_backend(row["system"]):  # (10 to 200 calls: about 20 ms of the GPU's time a loop)
-            row["host_us"] = host_us(lambda: attn(q, k, v), calls=max(10, min(200, int(20 / row["ms"]))))
+        with only_backend(row["system"]):
+            row["host_us"] = host_us(lambda: attn(q, k, v), row["ms"])
     yield from add_bandwidth(rows, peak)
 
 
-def host_us(fn, calls=200):
+def host_us(fn, gpu_ms):
     """The host's time for one call of fn in microseconds (Python, checks, launches), the least of three loops of
-    `calls` back to back: they queue on the GPU without waiting for it (the queue holds them all)."""
+    calls back to back: they queue on the GPU without waiting for it (the queue holds them all). A loop makes 10 to
+    200 calls, about 20 ms of the GPU's time at gpu_ms a call."""
+    calls = max(10, min(200, int(20 / gpu_ms)))
     fn()
     torch.cuda.synchronize()
     best = math.inf

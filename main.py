@@ -832,13 +832,13 @@ def time_ms(fn, warmup_ms=25, rep_ms=100, group=100):
     fn()
     torch.cuda.synchronize()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    host = time.perf_counter()
+    queued = time.perf_counter()
     start.record()
     for _ in range(5):
         flush.zero_()
         fn()
     end.record()
-    host = (time.perf_counter() - host) / 5  # seconds the host takes to queue a write and a call
+    host = (time.perf_counter() - queued) / 5  # seconds the host takes to queue a write and a call
     end.synchronize()
     estimate = max(start.elapsed_time(end) / 5, 1e-3)  # ms the GPU takes for them
     for _ in range(int(warmup_ms / estimate)):
