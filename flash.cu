@@ -2041,8 +2041,13 @@ __device__ inline void keep_after_wait(float (&acc)[tiles][4]) {
   for (int nt = 0; nt < tiles; nt++)
     for (int e = 0; e < 4; e++) asm volatile("" : "+f"(acc[nt][e])::"memory");
 }
-template <int pending, int... tiles>
-__device__ inline void wgmma_wait(float (&... acc)[tiles][4]) {
+template <int tiles>
+__device__ inline void keep_after_wait(uint32_t (&acc)[tiles][2]) {  // (fp16 sums, two a register)
+  for (int nt = 0; nt < tiles; nt++)
+    for (int e = 0; e < 2; e++) asm volatile("" : "+r"(acc[nt][e])::"memory");
+}
+template <int pending, typename... Acc>
+__device__ inline void wgmma_wait(Acc&... acc) {
   asm volatile("wgmma.wait_group.sync.aligned %0;" ::"n"(pending) : "memory");
   (keep_after_wait(acc), ...);
 }
@@ -2163,8 +2168,8 @@ __device__ void to_A_fragments(uint32_t (&A)[n / 16][4], const float (&S)[n / 8]
 // returns at once), which keeps the softmax first. Measured on an H100 against the hoisted wait (notebook 08): 1.02x
 // at d = 128, 0.98x at d = 96, 1.00x at d = 256, 0.99x at d = 64, and in the fp8 kernel 1.03-1.07x with V_j^T made in
 // the kernel (0.98-1.01x with V^T from flash_quantize): so at d = 128 and in the fp8 kernel.
-template <int NWG, int STAGES, bool softmax_first = false, int S_tiles, int O_tiles>
-__device__ void forward_schedule(int wg, int n_blocks, float (&S)[S_tiles][4], float (&O_i)[O_tiles][4], auto full,
+template <int NWG, int STAGES, bool softmax_first = false, typename S_tiles, int O_tiles>
+__device__ void forward_schedule(int wg, int n_blocks, S_tiles& S, float (&O_i)[O_tiles][4], auto full,
                                  auto empty, auto ready_PV, auto issue_S, auto issue_PV, auto softmax, auto to_P,
                                  auto rescale) {
   auto my_turn = [&] { asm volatile("bar.sync %0, %1;" ::"r"(wg), "n"(256) : "memory"); };
@@ -2869,8 +2874,9 @@ flash_decode_hopper(Rows<const T> Q, const __grid_constant__ CUtensorMap K_map, 
 // with TQK = int8). Tensor cores multiply 8-bit operands at twice the rate of 16-bit ones, and the tiles take half
 // the bytes. The price is precision: e4m3 keeps 3 bits of mantissa (relative rounding error up to 2^-4, largest
 // value 448), int8 a uniform grid of 255 steps. flash_quantize makes the 8-bit inputs with one fp32 scale per block of
-// QUANT_ROWS rows of a head (x = s x_hat, s = max |x| / 448 or / 127 over the block), so that an outlier costs
-// precision only in its own block. Then S_ij = s_Q,i s_K,j (Q_hat_i K_hat_j^T): the kernels fold s_Q,i s_K,j into
+// QUANT_ROWS rows of a head (x = s x_hat, s = max |x| / range over the block: 127 for int8, 448 for fp8's V and 16 for
+// its Q and K, whose products the fp8 kernel sums in fp16: see there), so that an outlier costs precision only in its
+// own block. Then S_ij = s_Q,i s_K,j (Q_hat_i K_hat_j^T): the kernels fold s_Q,i s_K,j into
 // the softmax's scale, once per block. Two transforms that leave softmax(Q K^T) unchanged make the inputs easier:
 // - rotation (FlashAttention-3's incoherent processing): Q and K both times H = diag(signs) Hadamard / sqrt(d),
 //   orthogonal, so (Q H)(K H)^T = Q K^T, while H spreads an outlier channel over all d channels;
@@ -2892,7 +2898,7 @@ __device__ inline uint32_t pack_fp8(float a, float b, float c, float d) {
 // 4t + i (c = 2t + i % 2 + 8 (i / 2)), and P_ij goes from accumulators to fragments without a shuffle.
 __host__ __device__ constexpr int key_position(int c) { return 4 * (c % 8 / 2) + c % 2 + 2 * (c / 8); }
 
-// X_hat = X / s for one head's rows QUANT_ROWS * blockIdx.x .. of X (N, D), s = max |X| / qmax over them, after
+// X_hat = X / s for one head's rows QUANT_ROWS * blockIdx.x .. of X (N, D), s = max |X| / range over them, after
 // X -= mean (mean: (H, D) per head, or nullptr) and X = X diag(signs) Hadamard / sqrt(D) (signs: (D), or nullptr).
 // out: int8 or e4m3 bytes, (B, H, N, D); or with transpose the transpose (B, H, D, N_pad), keys in key_position
 // order within each 16 and zero past N (V for the fp8 kernel, which reads it K-major). scales: (B, H, T).
@@ -2904,9 +2910,8 @@ __host__ __device__ constexpr int key_position(int c) { return 4 * (c % 8 / 2) +
 template <typename T, bool fp8, int D, bool transpose>
 __global__ void __launch_bounds__(32 * QUANT_WARPS)
 flash_quantize(Rows<const T> X, uint8_t* __restrict__ out, float* __restrict__ scales, int N, const float* mean,
-               const float* signs, int N_pad) {
+               const float* signs, int N_pad, float range) {
   constexpr int E = D / 32;
-  constexpr float qmax = fp8 ? 448.f : 127.f;
   struct alignas(E * sizeof(T)) Values { T x[E]; };  // a lane's E inputs, and its E outputs
   struct alignas(E) Bytes { uint8_t x[E]; };
   __shared__ float amax_warp[QUANT_WARPS];
@@ -2966,7 +2971,7 @@ flash_quantize(Rows<const T> X, uint8_t* __restrict__ out, float* __restrict__ s
   if (lane == 0) amax_warp[warp] = amax;
   __syncthreads();  // every warp's maximum is in amax_warp
   for (int w = 0; w < QUANT_WARPS; w++) amax = fmaxf(amax, amax_warp[w]);
-  const float s = amax > 0.f ? amax / qmax : 1.f, inverse_s = 1.f / s;  // (a multiply per value, not a division)
+  const float s = amax > 0.f ? amax / range : 1.f, inverse_s = 1.f / s;  // (a multiply per value, not a division)
   if (threadIdx.x == 0) scales[head_index() * gridDim.x + blockIdx.x] = s;
   auto rounded = [&](int r) {  // row r again, now rounded to 8 bits
     float x[E];
@@ -3011,17 +3016,22 @@ flash_quantize(Rows<const T> X, uint8_t* __restrict__ out, float* __restrict__ s
   }
 }
 
-// wgmma with e4m3 operands: C (64, n) (+)= A (64, 32) B^T, B (n, 32), fp32 sums, n = 64 or 128. Both operands
-// K-major (contiguous along k), the only layout 8-bit wgmma takes: Q_i and K_j as stored for S_ij, and V_j^T for
-// O_i. A from shared memory (descriptor a) or registers (the k32 A fragment: a0 = A[g][4t .. 4t+3], a1 = rows + 8,
-// a2 = columns + 16, a3 = both, of warp w's rows 16w ..); a 32-byte k slice, as the 16-bit k16.
-template <int n>
-__device__ inline void wgmma_fp8_ss(float (&acc)[n / 8][4], uint64_t a, uint64_t b, bool accumulate) {
-#define WGMMA_FP8_SS(N, REGS, ACCUMULATE, OPS, ACC)                                                            \
-  asm volatile("{ .reg .pred p; setp.ne.b32 p, " ACCUMULATE ", 0; wgmma.mma_async.sync.aligned.m64n" N         \
-               "k32.f32.e4m3.e4m3 " REGS ", " OPS "; }" : ACC : "l"(a), "l"(b), "r"(int(accumulate)))
-  if constexpr (n == 64) WGMMA_FP8_SS("64", REGS_N64, "%34", "%32, %33, p, 1, 1", ACC_N64);
-  if constexpr (n == 128) WGMMA_FP8_SS("128", REGS_N128, "%66", "%64, %65, p, 1, 1", ACC_N128);
+// wgmma with e4m3 operands: C (64, n) (+)= A (64, 32) B^T, B (n, 32), a 32-byte k slice, as the 16-bit k16. Both
+// operands K-major (contiguous along k), the only layout 8-bit wgmma takes: Q_i and K_j as stored for S_ij, and
+// V_j^T for O_i.
+// - wgmma_fp8_ss: A and B in shared memory (descriptors a, b), n = 128, fp16 sums, two to a register: acc[nt][h]
+//   holds C[16w + g + 8h][8nt + 2t] in its low half and the next column in its high half (the m16n8 accumulator
+//   layout with its pairs packed). The kernel's S_ij.
+// - wgmma_fp8_rs: A in registers (the k32 A fragment: a0 = A[g][4t .. 4t+3], a1 = rows + 8, a2 = columns + 16,
+//   a3 = both, of warp w's rows 16w ..), fp32 sums, n = 64 or 128. The kernel's O_i += P_ij V_j.
+#define ACC_PAIRS(i) "+r"(acc[i][0]), "+r"(acc[i][1])
+__device__ inline void wgmma_fp8_ss(uint32_t (&acc)[16][2], uint64_t a, uint64_t b, bool accumulate) {
+  asm volatile("{ .reg .pred p; setp.ne.b32 p, %34, 0; wgmma.mma_async.sync.aligned.m64n128k32.f16.e4m3.e4m3 "
+               REGS_N64 ", %32, %33, p, 1, 1; }"
+               : ACC_PAIRS(0), ACC_PAIRS(1), ACC_PAIRS(2), ACC_PAIRS(3), ACC_PAIRS(4), ACC_PAIRS(5), ACC_PAIRS(6),
+                 ACC_PAIRS(7), ACC_PAIRS(8), ACC_PAIRS(9), ACC_PAIRS(10), ACC_PAIRS(11), ACC_PAIRS(12), ACC_PAIRS(13),
+                 ACC_PAIRS(14), ACC_PAIRS(15)
+               : "l"(a), "l"(b), "r"(int(accumulate)));
 }
 template <int n>
 __device__ inline void wgmma_fp8_rs(float (&acc)[n / 8][4], const uint32_t (&a)[4], uint64_t b) {
@@ -3058,11 +3068,30 @@ __device__ void transpose_V(uint32_t V, uint32_t Vt, int w, int n_warps) {
   }
 }
 
-// fp8 forward on Hopper (sm_90a): the hopper kernel with 8-bit products. Grid (T_r, H_q, B); B_r = 64 NWG (NWG
-// consumers: 3 at d = 64, else 2, as in the hopper kernel), B_c = 128 (one scale of K_j and of V_j per block; each
-// consumer's 64 rows of Q_i lie in one block of Q's scales), d <= 128 (a tile row of d bytes, one 128-byte panel).
-// What changes:
-// - S_ij = Q_i K_j^T is d/32 wgmma m64n128k32; softmax(j) multiplies in s_Q,i s_K,j with the scale.
+// apply_mask on S_ij in fp16 pairs (wgmma_fp8_ss's layout): -inf (0xFC00) in each half holding a key row r[h] does
+// not see.
+template <int tiles>
+__device__ void mask_pairs(uint32_t (&S)[tiles][2], const int (&r)[2], int c0, const Mask& mask) {
+  for (int h = 0; h < 2; h++) {
+    const int first = mask.first_key(r[h]), last = mask.last_key(r[h]);
+    for (int nt = 0; nt < tiles; nt++)
+      for (int e = 0; e < 2; e++) {
+        const int c = c0 + 8 * nt + e;
+        const uint32_t minus_inf = e ? 0xFC000000u : 0xFC00u, other_half = e ? 0xFFFFu : 0xFFFF0000u;
+        if ((c < first) | (c > last)) S[nt][h] = (S[nt][h] & other_half) | minus_inf;
+      }
+  }
+}
+
+// fp8 forward on Hopper (sm_90a): the hopper kernel with 8-bit products. Grid (T_r, H_q, B); B_r = 64 NWG (NWG = 3
+// consumers), B_c = 128 (one scale of K_j and of V_j per block; each consumer's 64 rows of Q_i lie in one block of
+// Q's scales), d <= 128 (a tile row of d bytes, one 128-byte panel). What changes:
+// - S_ij = Q_i K_j^T is d/32 wgmma m64n128k32, summed in fp16: 32 registers a thread where fp32 takes 64, which
+//   leaves room for a third consumer at d = 128, as the hopper kernel has at d = 64 (O_i 64 registers, P_ij twice 16:
+//   160 a thread beside a producer at 24; ptxas keeps three values in local memory, 12 bytes, and 44 beside the
+//   transpose's producer at 40). The sums cannot overflow: flash_quantize scales Q and K to |x_hat| <= 16, so each of
+//   the d <= 128 products is at most 256 and S_ij at most 32768, below fp16's 65504. The row maxima are taken on the
+//   pairs, each entry is turned to fp32 for its exponential, and softmax(j) multiplies in s_Q,i s_K,j with the scale.
 // - P_ij is rounded to e4m3 for O_i += P_ij V_j (B_c/32 wgmma m64n{d}k32), scaled by 2^8 first (exp2(s - m_i + 8),
 //   at most 256 < 448), so that probabilities down to 2^-17 (not 2^-9) stay above e4m3's smallest subnormal;
 //   l_i carries the same 2^8, which O_i / l_i cancels.
@@ -3076,8 +3105,8 @@ flash_fwd_hopper_fp8(const __grid_constant__ CUtensorMap Q_map, const __grid_con
                      const __grid_constant__ CUtensorMap V_map, Rows<T> O, float* __restrict__ L, Scores sc, int group,
                      Scales scales) {
 #if SM90A
-  constexpr int B_r = 64 * NWG, B_c = 128, producer_regs = 40;  // (the transpose's registers)
-  constexpr int consumer_regs = (65536 / 128 - producer_regs) / NWG / 8 * 8;  // 232 for NWG = 2, 152 for 3
+  constexpr int B_r = 64 * NWG, B_c = 128, producer_regs = V_TRANSPOSED ? 24 : 40;  // (40: the transpose's)
+  constexpr int consumer_regs = (65536 / 128 - producer_regs) / NWG / 8 * 8;  // 160 for NWG = 3 (152)
   constexpr uint32_t tile_bytes = 128 * 128, Vt_bytes = d * 128, stage_bytes = 2 * tile_bytes + Vt_bytes;
   constexpr uint32_t Q_bytes = B_r * 128;
   extern __shared__ unsigned char smem_raw[];
@@ -3134,38 +3163,53 @@ flash_fwd_hopper_fp8(const __grid_constant__ CUtensorMap Q_map, const __grid_con
     const uint32_t Q_wg = Q_s + 64 * (wg - 1) * 128;     // this warpgroup's 64 rows of Q_i
     const float s_Q = scales.q[head_index() * scales.T_q + min(r / QUANT_ROWS, scales.T_q - 1)];  // (rows past N_q)
     float O_i[d / 8][4] = {}, m_i[2] = {M_START, M_START}, l_i[2] = {0.f, 0.f};  // l.5
-    float S[B_c / 8][4], alpha[2];
-    uint32_t P[B_c / 32][4];  // P_ij as k32 A fragments, e4m3
+    uint32_t S[B_c / 8][2];  // S_ij in fp16 pairs (wgmma_fp8_ss)
+    float alpha[2];
+    // P_ij as k32 A fragments, e4m3: the softmax makes P_next while P_i,j-1 V_j-1 still reads P, and to_P copies it.
+    // (Plus a zero the compiler cannot see, as n_blocks >= 0: a plain copy lets ptxas give P and P_next the same
+    // registers, so that the softmax would write the operand of a running wgmma, and ptxas then makes each wgmma wait
+    // for the one before.)
+    uint32_t P[B_c / 32][4], P_next[B_c / 32][4];
+    const uint32_t zero = uint32_t(n_blocks) >> 31;
     auto issue_S = [&](int n) {  // S_ij = Q_i K_j^T (l.8): k slice kk is bytes 32kk .. 32kk+31 of each row
       for (int kk = 0; kk < d / 32; kk++)
-        wgmma_fp8_ss<B_c>(S, smem_desc(Q_wg + 32 * kk, 0), smem_desc(K_s(n % STAGES) + 32 * kk, 0), kk > 0);
+        wgmma_fp8_ss(S, smem_desc(Q_wg + 32 * kk, 0), smem_desc(K_s(n % STAGES) + 32 * kk, 0), kk > 0);
       wgmma_commit();
     };
-    // l.9, then P_ij in place of S_ij, times 2^8. The scores are f S_ij, f = scale log2(e) s_Q,i s_K,j > 0 (no softcap
-    // or ALiBi here; main.py refuses a negative scale): update_row_max takes the row maximum on S_ij and scales it
-    // once, and each entry costs one FFMA and one ex2. Block j+1's scales are loaded during block j (read where they
-    // are used, every softmax began by waiting for them), and divided by __fdividef (an IEEE division adds a call to
-    // its slow path, which also kept ptxas from scheduling across it).
-    Scores unscaled = sc;
-    unscaled.scale_log2 = 1.f;
+    // l.9, then P_ij times 2^8 as e4m3 fragments in P_next. The scores are f S_ij, f = scale log2(e) s_Q,i s_K,j > 0
+    // (no softcap or ALiBi here; main.py refuses a negative scale): the row maximum is taken on S_ij and scaled once,
+    // and each entry costs a conversion to fp32, one FFMA and one ex2. Block j+1's scales are loaded during block j
+    // (read where they are used, every softmax began by waiting for them), and divided by __fdividef (an IEEE division
+    // adds a call to its slow path, which also kept ptxas from scheduling across it).
+    auto pair = [](uint32_t x) { return __half22float2(*reinterpret_cast<const __half2*>(&x)); };
     float s_K_j = s_K[j0], s_V_j = s_V[j0], s_V_before = s_V_j;  // the next softmax's s_K,j, s_V,j and s_V,j-1
     auto softmax = [&](int n) {
       const int j = j0 + n;
       const float f = sc.scale_log2 * s_Q * s_K_j, V_units = __fdividef(s_V_before, s_V_j);
       if (n + 1 < n_blocks) s_K_j = s_K[j + 1], s_V_before = s_V_j, s_V_j = s_V[j + 1];
-      if (mask.any(row0, B_r, j * B_c, B_c)) apply_scores<B_c>(S, {r, r + 8}, j * B_c + 2 * t, unscaled, true, {0.f, 0.f});
-      update_row_max<B_c>(S, m_i, l_i, alpha, f);
+      if (mask.any(row0, B_r, j * B_c, B_c)) mask_pairs(S, {r, r + 8}, j * B_c + 2 * t, mask);
+      float M[1][4];  // this lane's row maxima over the pairs as one accumulator tile: row g in 0, 1, row g + 8 in 2, 3
+      for (int h = 0; h < 2; h++) {
+        __half2 m = *reinterpret_cast<const __half2*>(&S[0][h]);
+        for (int nt = 1; nt < B_c / 8; nt++) m = __hmax2(m, *reinterpret_cast<const __half2*>(&S[nt][h]));
+        M[0][2 * h] = __low2float(m), M[0][2 * h + 1] = __high2float(m);
+      }
+      update_row_max<8>(M, m_i, l_i, alpha, f);
       const float bias[2] = {8.f - m_i[0], 8.f - m_i[1]};  // P_ij times 2^8
       alpha[0] *= V_units, alpha[1] *= V_units;  // (O_i only: O_i in units of s_V,j from here on)
-      for (int nt = 0; nt < B_c / 8; nt++)
-        for (int e = 0; e < 4; e++) S[nt][e] = exp2_ftz(fmaf(S[nt][e], f, bias[e / 2])), l_i[e / 2] += S[nt][e];
-    };
-    auto to_fp8_fragments = [&] {  // tiles 4kk .. 4kk+3 hold keys 2t, 2t+1, 2t+8, 2t+9 (+16) of slice kk
-      for (int kk = 0; kk < B_c / 32; kk++)
-        for (int h = 0; h < 4; h++) {  // h: rows g (+8 for odd h), keys + 16 for h >= 2
-          const int nt = 4 * kk + 2 * (h / 2), e = 2 * (h % 2);
-          P[kk][h] = pack_fp8(S[nt][e], S[nt][e + 1], S[nt + 1][e], S[nt + 1][e + 1]);
+      for (int kk = 0; kk < B_c / 32; kk++)  // tiles 4kk .. 4kk+3 hold keys 2t, 2t+1, 2t+8, 2t+9 (+16) of slice kk
+        for (int h = 0; h < 4; h++) {        // h: rows g (+8 for odd h), keys + 16 for h >= 2
+          const int nt = 4 * kk + 2 * (h / 2), row = h % 2;
+          const float2 a = pair(S[nt][row]), b = pair(S[nt + 1][row]);
+          const float p[4] = {exp2_ftz(fmaf(a.x, f, bias[row])), exp2_ftz(fmaf(a.y, f, bias[row])),
+                              exp2_ftz(fmaf(b.x, f, bias[row])), exp2_ftz(fmaf(b.y, f, bias[row]))};
+          l_i[row] += p[0], l_i[row] += p[1], l_i[row] += p[2], l_i[row] += p[3];
+          P_next[kk][h] = pack_fp8(p[0], p[1], p[2], p[3]);
         }
+    };
+    auto to_P = [&] {
+      for (int kk = 0; kk < B_c / 32; kk++)
+        for (int h = 0; h < 4; h++) P[kk][h] = P_next[kk][h] + zero;
     };
     auto issue_PV = [&](int n) {  // O_i += P_ij V_j (l.10): B_c/32 wgmma, keys 32kk .. 32kk+31
       for (int kk = 0; kk < B_c / 32; kk++) wgmma_fp8_rs<d>(O_i, P[kk], smem_desc(Vt_s(n % STAGES) + 32 * kk, 0));
@@ -3176,7 +3220,7 @@ flash_fwd_hopper_fp8(const __grid_constant__ CUtensorMap Q_map, const __grid_con
     };
     mbar_wait(Q_full, 0);
     forward_schedule<NWG, STAGES, true>(wg, n_blocks, S, O_i, full, empty, transposed_V, issue_S, issue_PV, softmax,
-                                        to_fp8_fragments, [&] { rescale_O<d>(O_i, alpha); });
+                                        to_P, [&] { rescale_O<d>(O_i, alpha); });
     const float s_V_last = s_V[j0 + n_blocks - 1], m_out[2] = {m_i[0] - 8.f, m_i[1] - 8.f};  // (l_i's 2^8 out of L)
     rescale_O<d>(O_i, {s_V_last, s_V_last});
     write_O_L<T, d>(O_i, m_out, l_i, O.head(), L + mask.row_index(), r, t, mask.N_q);  // l.12-15
@@ -3730,9 +3774,9 @@ void with_type(const at::Tensor& X, F f) {
 // X (B, H, N, HEAD_DIM) fp16/bf16 -> X_hat (B, H, N, HEAD_DIM) int8 or e4m3 (or with transpose, e4m3 (B, H, HEAD_DIM,
 // N_pad), N_pad = N rounded up to QUANT_ROWS, keys in key_position order: V for the fp8 kernel) and its scales
 // (B, H, T), T = ceil(N / QUANT_ROWS). mean (B, H, HEAD_DIM) fp32: subtracted first (K, smoothed); signs (HEAD_DIM)
-// fp32 of +-1: the rotation.
+// fp32 of +-1: the rotation. range: the largest |X_hat| (X_hat = X / s, s = max |X| / range per block).
 std::vector<at::Tensor> quantize(const at::Tensor& X, const std::optional<at::Tensor>& mean,
-                                 const std::optional<at::Tensor>& signs, bool transpose, int64_t stream) {
+                                 const std::optional<at::Tensor>& signs, bool transpose, double range, int64_t stream) {
   TORCH_CHECK(X.size(3) == HEAD_DIM, "this extension quantizes rows of ", HEAD_DIM, " values, got ", X.size(3));
   const int64_t B = X.size(0), H = X.size(1), N = X.size(2), T = (N + QUANT_ROWS - 1) / QUANT_ROWS;
   const auto dtype = FP8 ? at::kFloat8_e4m3fn : at::kChar;
@@ -3744,20 +3788,20 @@ std::vector<at::Tensor> quantize(const at::Tensor& X, const std::optional<at::Te
     launch(transpose ? flash_quantize<T_, FP8, HEAD_DIM, true> : flash_quantize<T_, FP8, HEAD_DIM, false>,
            dim3(T, H, B), 32 * QUANT_WARPS, QUANT_ROWS * HEAD_DIM * sizeof(T_), reinterpret_cast<cudaStream_t>(stream),
            rows<const T_>(X), ptr<uint8_t>(out), ptr<float>(scales), int(N), mean ? ptr<float>(*mean) : nullptr,
-           signs ? ptr<float>(*signs) : nullptr, int(T * QUANT_ROWS));
+           signs ? ptr<float>(*signs) : nullptr, int(T * QUANT_ROWS), float(range));
   });
   return {out, scales};
 }
 
 #if defined(BUILD_hopper_fp8)
-// 3 stages of K_j, V_j and V_j^T (48 KB each at d = 128) and Q_i: 161 KB. (4 stages, 209 KB, measured no faster on an
-// H100: 1.11-1.26x the hopper fp16 kernel with 3, 1.12-1.24x with 4, d = 128, N = 4096 and 16384.) Three consumers at
-// d = 64, where O_i's 32 registers leave a third one room in 152 (no spills): 1.13-1.31x two consumers on an H200
-// (bf16, N = 4096 and 16384, causal and not); at d = 128 a third spills, or with 64-key steps is slower (notebook 11).
+// 3 stages of K_j, V_j and V_j^T (48 KB each at d = 128) and Q_i: 169 KB. (4 stages, measured no faster on an H100
+// with two consumers: 1.11-1.26x the hopper fp16 kernel with 3, 1.12-1.24x with 4, d = 128, N = 4096 and 16384.)
+// Three consumers: at d = 64, where O_i's 32 registers always left a third one room, 1.13-1.31x two on an H200 (bf16,
+// N = 4096 and 16384, causal and not); at d = 128 since S_ij is summed in fp16 (notebook 11, section 7).
 template <typename T, bool V_TRANSPOSED, int STAGES = 3>
 void fwd_8bit(const at::Tensor& Q, const at::Tensor& K, const at::Tensor& V, at::Tensor& O, at::Tensor& L,
               const Scores& sc, const Scales& scales, cudaStream_t stream) {
-  constexpr int d = HEAD_DIM, NWG = d <= 64 ? 3 : 2, B_r = 64 * NWG, B_c = 128;
+  constexpr int d = HEAD_DIM, NWG = 3, B_r = 64 * NWG, B_c = 128;
   const size_t smem = B_r * 128 + STAGES * (2 * 128 * 128 + d * 128) + 8 * (1 + 3 * STAGES) + 1024;
   launch(flash_fwd_hopper_fp8<T, d, NWG, STAGES, V_TRANSPOSED>, grid((sc.mask.N_q + B_r - 1) / B_r, Q, sc),
          128 * (NWG + 1), smem, stream, tensor_map(Q, B_r), tensor_map(K, B_c), tensor_map(V, V_TRANSPOSED ? d : B_c),
@@ -3802,7 +3846,7 @@ std::vector<at::Tensor> forward(const at::Tensor& Q, const at::Tensor& K, const 
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("quantize", &quantize, "X_hat, scales = quantize(X, mean, signs, transpose, stream)");
+  m.def("quantize", &quantize, "X_hat, scales = quantize(X, mean, signs, transpose, range, stream)");
   m.def("forward", &forward, "O, L = forward(Q_hat, K_hat, V, s_Q, s_K, s_V, transposed, window_left, window_right, "
         "scale, bf16, stream)");
 }

@@ -665,16 +665,20 @@ def flash_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
 
 EIGHT_BIT = {torch.float8_e4m3fn: "hopper_fp8", torch.int8: "ampere_int8"}
 EIGHT_BIT_HEAD_DIMS = (64, 128)
+# The largest |x_hat| of each input (x = scale * x_hat): int8's 127; for fp8, e4m3's 448 for v, and 16 for q and k,
+# whose products the fp8 kernel sums in fp16: d <= 128 of them stay within 128 * 16 * 16 = 32768 (fp16: 65504).
+FP8_MAX, FP8_QK_MAX, INT8_MAX = 448.0, 16.0, 127.0
 QUANT_ROWS = int(re.search(r"constexpr int QUANT_ROWS = (\d+);", open(os.path.join(ROOT, "flash.cu")).read()).group(1))
 
 
 class Quantized(NamedTuple):
     """8-bit q, k (and v, for fp8) with their scales, as quantize() returns them: x = scale * x_hat per block of
-    QUANT_ROWS rows of a head. q, k: (B, H, N, D) int8 or float8_e4m3fn, D the tile width (64 or 128, the columns
-    past d zero); v: fp8, (B, H_kv, N_k, D), or (B, H_kv, D, N_pad) if v_transposed (keys in the kernel's order,
-    flash.cu's key_position); int8, v itself (fp16/bf16). q_scale, k_scale, v_scale: (B, H, ceil(N /
-    QUANT_ROWS)) float32 (v_scale None for int8). d: the head dim before padding; out_dtype: the output's dtype.
-    (int8's v is kept as given, and padded where the kernel reads it.)"""
+    QUANT_ROWS rows of a head, scale = max |x| / range over the block (range: FP8_QK_MAX, FP8_MAX or INT8_MAX).
+    q, k: (B, H, N, D) int8 or float8_e4m3fn, D the tile width (64 or 128, the columns past d zero); v: fp8, (B,
+    H_kv, N_k, D), or (B, H_kv, D, N_pad) if v_transposed (keys in the kernel's order, flash.cu's key_position);
+    int8, v itself (fp16/bf16). q_scale, k_scale, v_scale: (B, H, ceil(N / QUANT_ROWS)) float32 (v_scale None for
+    int8). d: the head dim before padding; out_dtype: the output's dtype. (int8's v is kept as given, and padded
+    where the kernel reads it.)"""
     q: torch.Tensor
     k: torch.Tensor
     v: torch.Tensor
@@ -698,16 +702,17 @@ def _eight_bit_kernel(dtype, device):
 
 @torch.library.custom_op("flash::quantize", mutates_args=())
 def _quantize(x: torch.Tensor, mean: Optional[torch.Tensor], signs: Optional[torch.Tensor], fp8: bool,
-              transpose: bool, D: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """x (B, H, N, d) padded to (B, H, N, D) -> x_hat and its scales (flash.cu's quantize). (The checks and the
-    copies that need the GPU or the data's address run here, where torch.compile leaves them to run.)"""
+              transpose: bool, D: int, value_range: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """x (B, H, N, d) padded to (B, H, N, D) -> x_hat (|x_hat| <= value_range) and its scales (flash.cu's
+    quantize). (The checks and the copies that need the GPU or the data's address run here, where torch.compile
+    leaves them to run.)"""
     kernel = _eight_bit_kernel(torch.float8_e4m3fn if fp8 else torch.int8, x.device)
     with _on_device(x):
-        return load(kernel, D).quantize(_readable(_padded(x, D)), mean, signs, transpose, _stream(x))
+        return load(kernel, D).quantize(_readable(_padded(x, D)), mean, signs, transpose, value_range, _stream(x))
 
 
 @_quantize.register_fake
-def _(x, mean, signs, fp8, transpose, D):
+def _(x, mean, signs, fp8, transpose, D, value_range):
     B, H, N, _ = x.shape
     T = (N + QUANT_ROWS - 1) // QUANT_ROWS
     dtype = torch.float8_e4m3fn if fp8 else torch.int8
@@ -766,9 +771,10 @@ def quantize(q, k, v, dtype=torch.float8_e4m3fn, rotate=False, smooth_k=None, tr
     D = min(D for D in EIGHT_BIT_HEAD_DIMS if D >= d)
     signs = rotation_signs(D, seed, q.device) if rotate else None
     mean = _padded(k.mean(2, dtype=torch.float32), D).contiguous() if smooth_k and k.shape[2] > 0 else None
-    q8, q_scale = _quantize(q, None, signs, fp8, False, D)
-    k8, k_scale = _quantize(k, mean, signs, fp8, False, D)
-    v8, v_scale = _quantize(v, None, None, True, transpose_v, D) if fp8 else (v, None)
+    qk_range = FP8_QK_MAX if fp8 else INT8_MAX
+    q8, q_scale = _quantize(q, None, signs, fp8, False, D, qk_range)
+    k8, k_scale = _quantize(k, mean, signs, fp8, False, D, qk_range)
+    v8, v_scale = _quantize(v, None, None, True, transpose_v, D, FP8_MAX) if fp8 else (v, None)
     return Quantized(q8, k8, v8, q_scale, k_scale, v_scale, transpose_v, d, q.dtype)
 
 

@@ -310,6 +310,7 @@ def attention_varlen(Q, K, V, cu_seqlens_q, cu_seqlens_k, causal=False, softmax_
 # attention they compute, in float64 apart from the roundings to 8 bits.
 QUANT_ROWS = 128  # rows of a head per scale
 FP8_MAX, INT8_MAX = 448.0, 127.0  # the largest e4m3 value; int8's symmetric range
+FP8_QK_MAX = 16.0  # fp8's Q and K: 128 products of them sum to at most 32768, which fp16 (the kernel's S) holds
 
 
 def rotation(D, signs):
@@ -335,14 +336,16 @@ def round_8bit(x, dtype):
     return x.clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn).double()
 
 
-def quantize_blocks(X, dtype, rows=QUANT_ROWS):
+def quantize_blocks(X, dtype, rows=QUANT_ROWS, value_range=None):
     """X (B, H, N, d) -> (X_hat, s): X_hat on dtype's grid (as float64) and s (B, H, T) with X ~ s X_hat row block
-    by row block, s = max |X| / 448 (e4m3) or / 127 (int8) over each block of `rows` rows (1 where the block is 0)."""
+    by row block, s = max |X| / value_range over each block of `rows` rows (1 where the block is 0). value_range:
+    by default 448 (e4m3) or 127 (int8)."""
     B, H, N, d = X.shape
     T = math.ceil(N / rows)
     blocks = torch.nn.functional.pad(X.double(), (0, 0, 0, T * rows - N)).view(B, H, T, rows, d)
     amax = blocks.abs().amax((-2, -1))
-    s = torch.where(amax > 0, amax / (FP8_MAX if dtype != torch.int8 else INT8_MAX), torch.ones_like(amax))
+    value_range = value_range or (FP8_MAX if dtype != torch.int8 else INT8_MAX)
+    s = torch.where(amax > 0, amax / value_range, torch.ones_like(amax))
     X_hat = round_8bit(blocks / s[..., None, None], dtype).view(B, H, T * rows, d)[:, :, :N]
     return X_hat, s
 
@@ -350,9 +353,11 @@ def quantize_blocks(X, dtype, rows=QUANT_ROWS):
 def attention_8bit(Q, K, V, dtype=torch.float8_e4m3fn, causal=False, softmax_scale=None, window=(-1, -1), signs=None,
                    smooth_k=False):
     """What flash_attention_8bit computes: Q and K (rotated by rotation(d, signs) if signs is given; K minus its
-    mean over the keys if smooth_k) quantized by blocks of QUANT_ROWS rows; for fp8 also V, and P = softmax rounded
-    to e4m3 after scaling by 2^8 (each row's largest entry becomes 256), as the kernel's P_ij V_j takes it; for
-    int8, V and P stay as they are (the kernel keeps them in fp16/bf16)."""
+    mean over the keys if smooth_k) quantized by blocks of QUANT_ROWS rows, and S_hat = Q_hat K_hat^T, which the fp8
+    kernel sums in fp16 (Q and K scaled to |x_hat| <= FP8_QK_MAX for that; rounded here once, where the kernel rounds
+    after each 32 columns of d); for fp8 also V, and P = softmax rounded to e4m3 after scaling by 2^8 (each row's
+    largest entry becomes 256), as the kernel's P_ij V_j takes it; for int8, V and P stay as they are (the kernel keeps
+    them in fp16/bf16)."""
     scale = _scale(Q, softmax_scale)
     Q, K, V = Q.double(), K.double(), V.double()
     if smooth_k:
@@ -360,17 +365,20 @@ def attention_8bit(Q, K, V, dtype=torch.float8_e4m3fn, causal=False, softmax_sca
     if signs is not None:
         R = rotation(Q.shape[-1], signs).to(Q.device)
         Q, K = Q @ R, K @ R
-    dequantized = []
-    for X in (Q, K) + ((V,) if dtype != torch.int8 else ()):
-        X_hat, s = quantize_blocks(X, dtype)
-        dequantized.append(X_hat * s.repeat_interleave(QUANT_ROWS, -1)[..., :X.shape[-2], None])
-    Q, K = dequantized[:2]
-    V = dequantized[2] if dtype != torch.int8 else V
-    S = Q @ _query_heads(K, Q).transpose(-1, -2) * scale
-    N_q, N_k = S.shape[-2:]
+    fp8 = dtype != torch.int8
+    (Q_hat, s_Q), (K_hat, s_K) = (quantize_blocks(X, dtype, value_range=FP8_QK_MAX if fp8 else None) for X in (Q, K))
+    S_hat = Q_hat @ _query_heads(K_hat, Q).transpose(-1, -2)
+    if fp8:
+        S_hat = S_hat.half().double()
+    N_q, N_k = S_hat.shape[-2:]
+    per_row = lambda s, N: s.repeat_interleave(QUANT_ROWS, -1)[..., :N, None]  # (B, H, T) -> (B, H, N, 1)
+    S = S_hat * per_row(s_Q, N_q) * per_row(_query_heads(s_K[..., None], Q)[..., 0], N_k).transpose(-1, -2) * scale
+    if fp8:
+        V_hat, s_V = quantize_blocks(V, dtype)
+        V = V_hat * per_row(s_V, V.shape[-2])
     S = S.masked_fill(_hidden(0, N_q, 0, N_k, S.device, N_k - N_q, _window(causal, window)), -math.inf)
     P = torch.exp(S - S.amax(-1, keepdim=True)) * 256
     l = P.sum(-1, keepdim=True)
-    if dtype != torch.int8:
+    if fp8:
         P = round_8bit(P, dtype)
     return torch.nan_to_num(P / l) @ _query_heads(V, Q)
