@@ -3084,7 +3084,7 @@ __device__ void mask_pairs(uint32_t (&S)[tiles][2], const int (&r)[2], int c0, c
 }
 
 // fp8 forward on Hopper (sm_90a): the hopper kernel with 8-bit products. Grid (T_r, H_q, B); B_r = 64 NWG (NWG = 3
-// consumers), B_c = 128 (one scale of K_j and of V_j per block; each consumer's 64 rows of Q_i lie in one block of
+// consumers, or 2: fwd_8bit), B_c = 128 (one scale of K_j and of V_j per block; each consumer's 64 rows of Q_i lie in one block of
 // Q's scales), d <= 128 (a tile row of d bytes, one 128-byte panel). What changes:
 // - S_ij = Q_i K_j^T is d/32 wgmma m64n128k32, summed in fp16: 32 registers a thread where fp32 takes 64, which
 //   leaves room for a third consumer at d = 128, as the hopper kernel has at d = 64 (O_i 64 registers, P_ij twice 16:
@@ -3106,7 +3106,7 @@ flash_fwd_hopper_fp8(const __grid_constant__ CUtensorMap Q_map, const __grid_con
                      Scales scales) {
 #if SM90A
   constexpr int B_r = 64 * NWG, B_c = 128, producer_regs = V_TRANSPOSED ? 24 : 40;  // (40: the transpose's)
-  constexpr int consumer_regs = (65536 / 128 - producer_regs) / NWG / 8 * 8;  // 160 for NWG = 3 (152)
+  constexpr int consumer_regs = (65536 / 128 - producer_regs) / NWG / 8 * 8;  // NWG = 3: 160 (152); 2: 240 (232)
   constexpr uint32_t tile_bytes = 128 * 128, Vt_bytes = d * 128, stage_bytes = 2 * tile_bytes + Vt_bytes;
   constexpr uint32_t Q_bytes = B_r * 128;
   extern __shared__ unsigned char smem_raw[];
@@ -3797,11 +3797,15 @@ std::vector<at::Tensor> quantize(const at::Tensor& X, const std::optional<at::Te
 // 3 stages of K_j, V_j and V_j^T (48 KB each at d = 128) and Q_i: 169 KB. (4 stages, measured no faster on an H100
 // with two consumers: 1.11-1.26x the hopper fp16 kernel with 3, 1.12-1.24x with 4, d = 128, N = 4096 and 16384.)
 // Three consumers: at d = 64, where O_i's 32 registers always left a third one room, 1.13-1.31x two on an H200 (bf16,
-// N = 4096 and 16384, causal and not); at d = 128 since S_ij is summed in fp16 (notebook 11, section 7).
-template <typename T, bool V_TRANSPOSED, int STAGES = 3>
+// N = 4096 and 16384, causal and not); at d = 128 since S_ij is summed in fp16 (notebook 11, section 7). As in the
+// hopper kernel, a causal mask (or a window) at N_q <= 1024 keeps two.
+template <typename T, bool V_TRANSPOSED, int STAGES = 3, int NWG = 3>
 void fwd_8bit(const at::Tensor& Q, const at::Tensor& K, const at::Tensor& V, at::Tensor& O, at::Tensor& L,
               const Scores& sc, const Scales& scales, cudaStream_t stream) {
-  constexpr int d = HEAD_DIM, NWG = 3, B_r = 64 * NWG, B_c = 128;
+  constexpr int d = HEAD_DIM, B_r = 64 * NWG, B_c = 128;
+  if constexpr (NWG == 3)
+    if (sc.mask.right < sc.mask.N_k && sc.mask.N_q <= 1024)
+      return fwd_8bit<T, V_TRANSPOSED, STAGES, 2>(Q, K, V, O, L, sc, scales, stream);
   const size_t smem = B_r * 128 + STAGES * (2 * 128 * 128 + d * 128) + 8 * (1 + 3 * STAGES) + 1024;
   launch(flash_fwd_hopper_fp8<T, d, NWG, STAGES, V_TRANSPOSED>, grid((sc.mask.N_q + B_r - 1) / B_r, Q, sc),
          128 * (NWG + 1), smem, stream, tensor_map(Q, B_r), tensor_map(K, B_c), tensor_map(V, V_TRANSPOSED ? d : B_c),
