@@ -102,14 +102,15 @@ def environment(command, extra=()):
 EIGHT_BIT = "## 8-bit attention"
 EIGHT_BIT_INTRO = f"""{EIGHT_BIT}
 
-`flash_attention_8bit` (flash.cu's section 9) is not exact: Q and K (and for fp8 V and P) are rounded to 8 bits,
-with one scale per block of 128 rows of a head. Its error is measured as FlashAttention-3's paper measures it
-(Table 3): the RMSE of O against float64 attention on the same inputs, (B, H, N, d) = (2, 8, 4096, d), on plain
-N(0, 1) inputs and on N(0, 1) inputs plus, with probability 0.001 per entry, an outlier from N(0, 100) (standard
-deviation 10). Rows: the hopper kernel in fp16 (no quantization: the floor), fp8 without and with the rotation
-(`rotate=True`: Q and K times a random-sign Hadamard matrix, which leaves Q K^T unchanged), and int8 without and
-with the rotation (Q and K in int8, K smoothed by its mean, P and V in fp16). Non-causal. FlashAttention-3 reports 9.1e-3 for fp8 with block
-quantization and the rotation on the outlier inputs, and 2.4e-2 for a plain fp8 baseline.
+`flash_attention_8bit` (flash.cu's section 8) is not exact: Q and K (and for fp8 V and P) are rounded to 8 bits,
+with one scale per block of 128 rows of a head, and the fp8 kernel sums Q K^T in fp16. Its error is measured as
+FlashAttention-3's paper measures it (Table 3): the RMSE of O against float64 attention on the same inputs, (B, H,
+N, d) = (2, 8, 4096, d), on plain N(0, 1) inputs and on N(0, 1) inputs plus, with probability 0.001 per entry, an
+outlier from N(0, 100) (standard deviation 10). Rows: the hopper kernel in fp16 (no quantization: the floor), fp8
+without and with the rotation (`rotate=True`: Q and K times a random-sign Hadamard matrix, which leaves Q K^T
+unchanged), and int8 without and with the rotation (Q and K in int8, K smoothed by its mean, P and V in fp16).
+Non-causal. FlashAttention-3 reports 9.1e-3 for fp8 with block quantization and the rotation on the outlier inputs,
+and 2.4e-2 for a plain fp8 baseline.
 """
 
 

@@ -1,4 +1,4 @@
-"""8-bit attention (flash.cu's section 9): quantize() and flash_attention_8bit, fp8 on Hopper and int8 on sm_80+.
+"""8-bit attention (flash.cu's section 8): quantize() and flash_attention_8bit, fp8 on Hopper and int8 on sm_80+.
 
 An 8-bit forward is not exact, so its error against float64 attention is bounded by the error of the same
 quantization computed in float64 (reference.attention_8bit: the scales, roundings and rotation of the kernels, in
