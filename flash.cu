@@ -3084,8 +3084,8 @@ __device__ void mask_pairs(uint32_t (&S)[tiles][2], const int (&r)[2], int c0, c
 }
 
 // fp8 forward on Hopper (sm_90a): the hopper kernel with 8-bit products. Grid (T_r, H_q, B); B_r = 64 NWG (NWG = 3
-// consumers, or 2: fwd_8bit), B_c = 128 (one scale of K_j and of V_j per block; each consumer's 64 rows of Q_i lie in one block of
-// Q's scales), d <= 128 (a tile row of d bytes, one 128-byte panel). What changes:
+// consumers, or 2: fwd_8bit), B_c = 128 (one scale of K_j and of V_j per block; each consumer's 64 rows of Q_i lie
+// in one block of Q's scales), d <= 128 (a tile row of d bytes, one 128-byte panel). What changes:
 // - S_ij = Q_i K_j^T is d/32 wgmma m64n128k32, summed in fp16: 32 registers a thread where fp32 takes 64, which
 //   leaves room for a third consumer at d = 128, as the hopper kernel has at d = 64 (O_i 64 registers, P_ij twice 16:
 //   160 a thread beside a producer at 24; ptxas keeps three values in local memory, 12 bytes, and 44 beside the
