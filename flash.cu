@@ -3083,6 +3083,17 @@ __device__ void mask_pairs(uint32_t (&S)[tiles][2], const int (&r)[2], int c0, c
   }
 }
 
+// M: this lane's maxima over S_ij in fp16 pairs, as one m16n8 accumulator tile for update_row_max: the largest low
+// and high halves of row g in entries 0, 1, of row g + 8 in 2, 3.
+template <int tiles>
+__device__ void pair_maxima(float (&M)[1][4], const uint32_t (&S)[tiles][2]) {
+  for (int h = 0; h < 2; h++) {
+    __half2 m = *reinterpret_cast<const __half2*>(&S[0][h]);
+    for (int nt = 1; nt < tiles; nt++) m = __hmax2(m, *reinterpret_cast<const __half2*>(&S[nt][h]));
+    M[0][2 * h] = __low2float(m), M[0][2 * h + 1] = __high2float(m);
+  }
+}
+
 // fp8 forward on Hopper (sm_90a): the hopper kernel with 8-bit products. Grid (T_r, H_q, B); B_r = 64 NWG (NWG = 3
 // consumers, or 2: fwd_8bit), B_c = 128 (one scale of K_j and of V_j per block; each consumer's 64 rows of Q_i lie
 // in one block of Q's scales), d <= 128 (a tile row of d bytes, one 128-byte panel). What changes:
@@ -3188,12 +3199,8 @@ flash_fwd_hopper_fp8(const __grid_constant__ CUtensorMap Q_map, const __grid_con
       const float f = sc.scale_log2 * s_Q * s_K_j, V_units = __fdividef(s_V_before, s_V_j);
       if (n + 1 < n_blocks) s_K_j = s_K[j + 1], s_V_before = s_V_j, s_V_j = s_V[j + 1];
       if (mask.any(row0, B_r, j * B_c, B_c)) mask_pairs(S, {r, r + 8}, j * B_c + 2 * t, mask);
-      float M[1][4];  // this lane's row maxima over the pairs as one accumulator tile: row g in 0, 1, row g + 8 in 2, 3
-      for (int h = 0; h < 2; h++) {
-        __half2 m = *reinterpret_cast<const __half2*>(&S[0][h]);
-        for (int nt = 1; nt < B_c / 8; nt++) m = __hmax2(m, *reinterpret_cast<const __half2*>(&S[nt][h]));
-        M[0][2 * h] = __low2float(m), M[0][2 * h + 1] = __high2float(m);
-      }
+      float M[1][4];
+      pair_maxima(M, S);
       update_row_max<8>(M, m_i, l_i, alpha, f);
       const float bias[2] = {8.f - m_i[0], 8.f - m_i[1]};  // P_ij times 2^8
       alpha[0] *= V_units, alpha[1] *= V_units;  // (O_i only: O_i in units of s_V,j from here on)
@@ -3323,6 +3330,12 @@ void launch_preprocess(const at::Tensor& O, const at::Tensor& dO, at::Tensor& D,
 }
 
 #if defined(BUILD_hopper) || defined(BUILD_hopper_fp8)
+// Whether a Hopper forward keeps two consumer warpgroups where it would run three (B_r = 192): under a causal mask
+// (or a window) at N_q <= 1024. There the hopper kernel ran at 0.92x with three at d = 64, likely because the
+// half-hidden diagonal blocks are a large share of such short rows, and a 192-row tile meets two of them where a
+// 128-row tile meets one; the fp8 kernel at 0.92x with three and 1.04x with two (the fp16 kernel's speed, d = 128).
+bool short_masked_rows(const Scores& sc) { return sc.mask.right < sc.mask.N_k && sc.mask.N_q <= 1024; }
+
 // A TMA tensor map of X (B, H, N, d) with its own strides (multiples of 16 bytes: main.py checks): boxes of
 // (rows, 128 bytes), 64 16-bit, 128 8-bit or 32 fp32 elements, stored with the 128-byte swizzle; rows past N read
 // as zeros. promotion: how much L2 fetches from memory for a request that misses (see decode for why it matters).
@@ -3492,13 +3505,11 @@ void fwd_hopper(const at::Tensor& Q, const at::Tensor& K, const at::Tensor& V, a
   // stages of 128 keys in shared memory; 3 stages (192 KB) fit at d = 160 and 192, 2 (192 KB) at d = 256.
   // d <= 64: three consumers (B_r = 192, 160 registers each), as FlashAttention-3: each K_j, V_j tile then serves
   // 192 query rows instead of 128, and the SM has 12 consumer warps instead of 8 to issue from while others wait.
-  // 1.05-1.17x the two-consumer kernel at N >= 4096 on an H100. A causal mask (or a window) at N_q <= 1024 keeps
-  // two (0.92x there with three; likely because the half-hidden diagonal blocks are a large share of such short
-  // rows, and a 192-row tile meets two of them where a 128-row tile meets one).
+  // 1.05-1.17x the two-consumer kernel at N >= 4096 on an H100; two on short masked rows (short_masked_rows).
   constexpr int B_r = 64 * NWG, B_c = d <= 128 ? 128 : 64, STAGES = d <= 192 ? 3 : 2;
   const int N_q = sc.mask.N_q;  // (a packed batch: the longest sequence's)
   if constexpr (NWG == 3)
-    if (sc.mask.right < sc.mask.N_k && N_q <= 1024) return fwd_hopper<T, d, 2>(Q, K, V, O, L, sc, stream);
+    if (short_masked_rows(sc)) return fwd_hopper<T, d, 2>(Q, K, V, O, L, sc, stream);
   // Q_i and STAGES stages of K_j, V_j (each row 64 elements per panel), the mbarriers, and 1 KB of slack to align
   // the tiles to 1024 bytes
   const size_t smem = (B_r + 2 * STAGES * B_c) * 128 * panels(d) + 8 * (1 + 2 * STAGES) + 1024;
@@ -3797,15 +3808,14 @@ std::vector<at::Tensor> quantize(const at::Tensor& X, const std::optional<at::Te
 // 3 stages of K_j, V_j and V_j^T (48 KB each at d = 128) and Q_i: 169 KB. (4 stages, measured no faster on an H100
 // with two consumers: 1.11-1.26x the hopper fp16 kernel with 3, 1.12-1.24x with 4, d = 128, N = 4096 and 16384.)
 // Three consumers: at d = 64, where O_i's 32 registers always left a third one room, 1.13-1.31x two on an H200 (bf16,
-// N = 4096 and 16384, causal and not); at d = 128 since S_ij is summed in fp16 (notebook 11, section 7). As in the
-// hopper kernel, a causal mask (or a window) at N_q <= 1024 keeps two.
+// N = 4096 and 16384, causal and not); at d = 128 since S_ij is summed in fp16 (notebook 11, section 7). Two on
+// short masked rows, as the hopper kernel (short_masked_rows).
 template <typename T, bool V_TRANSPOSED, int STAGES = 3, int NWG = 3>
 void fwd_8bit(const at::Tensor& Q, const at::Tensor& K, const at::Tensor& V, at::Tensor& O, at::Tensor& L,
               const Scores& sc, const Scales& scales, cudaStream_t stream) {
   constexpr int d = HEAD_DIM, B_r = 64 * NWG, B_c = 128;
   if constexpr (NWG == 3)
-    if (sc.mask.right < sc.mask.N_k && sc.mask.N_q <= 1024)
-      return fwd_8bit<T, V_TRANSPOSED, STAGES, 2>(Q, K, V, O, L, sc, scales, stream);
+    if (short_masked_rows(sc)) return fwd_8bit<T, V_TRANSPOSED, STAGES, 2>(Q, K, V, O, L, sc, scales, stream);
   const size_t smem = B_r * 128 + STAGES * (2 * 128 * 128 + d * 128) + 8 * (1 + 3 * STAGES) + 1024;
   launch(flash_fwd_hopper_fp8<T, d, NWG, STAGES, V_TRANSPOSED>, grid((sc.mask.N_q + B_r - 1) / B_r, Q, sc),
          128 * (NWG + 1), smem, stream, tensor_map(Q, B_r), tensor_map(K, B_c), tensor_map(V, V_TRANSPOSED ? d : B_c),
