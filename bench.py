@@ -13,8 +13,8 @@
     python bench.py --dropout 0.1 --seqlens 2048,8192 --modes fwd,fwd_bwd --kernels hopper,sdpa-flash \
         --out docs/benchmarks/dropout --markdown docs/benchmarks-dropout.md  # attention dropout, in the kernels
     python bench.py --deterministic --modes bwd,fwd_bwd --kernels ampere,hopper   # dQ without atomics
-    python bench.py --kernels hopper,ampere,sdpa-flash,sdpa-cudnn,fp8,fp8-kernel,fp8-vt-kernel,int8,int8-kernel \
-        --modes fwd --dtype bf16 --seqlens 1024,4096,16384 --out docs/benchmarks/8bit \
+    python bench.py --kernels hopper,ampere,sdpa-flash,sdpa-cudnn,fp8,fp8-vt,fp8-kernel,fp8-vt-kernel,int8,int8-kernel \
+        --modes fwd --dtype bf16 --d 64,128,256 --seqlens 1024,4096,16384 --out docs/benchmarks/8bit \
         --markdown docs/benchmarks-8bit.md     # 8-bit attention against the 16-bit kernels
     python bench.py --kernels hopper,sdpa,sdpa-flash,sdpa-cudnn --dtype fp16,bf16 --d 64,128 --seqlens 1024,4096,16384 \
         --modes fwd,fwd_bwd --out docs/benchmarks/cudnn --markdown docs/benchmarks-cudnn.md  # the hopper kernels, cuDNN
@@ -53,7 +53,8 @@ import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import reference
-from main import build, flash_attention, flash_attention_8bit, list_kernels, quantize, tile_dim, time_ms
+from main import (EIGHT_BIT_HEAD_DIMS, build, flash_attention, flash_attention_8bit, list_kernels, quantize, tile_dim,
+                  time_ms)
 
 # FlashAttention's own benchmark shapes: tokens (B*N) and model width (H*d) stay fixed as N and d grow.
 TOKENS, WIDTH = 16384, 2048
@@ -383,8 +384,9 @@ def bench_problem(problem, kernels, args, peak):
             row = dict.fromkeys(ROW_FIELDS) | problem | {"layout": layout, "mode": mode, "system": system}
             if mode != "fwd" and system in kernels and kernels[system]["backward_kernel"] not in fits:
                 row.update(status="unsupported", note=f"no {dtype} backward kernel (main.py would upcast to fp32)")
-            elif system in EIGHT_BIT and (mode != "fwd" or dtype == "fp32" or d > 128):
-                row.update(status="unsupported", note="8-bit attention: forward only, fp16/bf16, d <= 128")
+            elif system in EIGHT_BIT and (mode != "fwd" or dtype == "fp32" or d > max(EIGHT_BIT_HEAD_DIMS)):
+                row.update(status="unsupported",
+                           note=f"8-bit attention: forward only, fp16/bf16, d <= {max(EIGHT_BIT_HEAD_DIMS)}")
             elif system in EIGHT_BIT:
                 row.update(measure(system, views, refs, mode, causal, scale, EIGHT_BIT_TOLERANCE, args, window))
             else:

@@ -3023,7 +3023,8 @@ flash_quantize(Rows<const T> X, uint8_t* __restrict__ out, float* __restrict__ s
 //   holds C[16w + g + 8h][8nt + 2t] in its low half and the next column in its high half (the m16n8 accumulator
 //   layout with its pairs packed). The kernel's S_ij.
 // - wgmma_fp8_rs: A in registers (the k32 A fragment: a0 = A[g][4t .. 4t+3], a1 = rows + 8, a2 = columns + 16,
-//   a3 = both, of warp w's rows 16w ..), fp32 sums, n = 64 or 128. The kernel's O_i += P_ij V_j.
+//   a3 = both, of warp w's rows 16w ..), fp32 sums, n = 64, 128 or 256 (two of 128: the B rows of the second half
+//   start 128 rows of 128 bytes later). The kernel's O_i += P_ij V_j.
 #define ACC_PAIRS(i) "+r"(acc[i][0]), "+r"(acc[i][1])
 __device__ inline void wgmma_fp8_ss(uint32_t (&acc)[16][2], uint64_t a, uint64_t b, bool accumulate) {
   asm volatile("{ .reg .pred p; setp.ne.b32 p, %34, 0; wgmma.mma_async.sync.aligned.m64n128k32.f16.e4m3.e4m3 "
@@ -3040,10 +3041,14 @@ __device__ inline void wgmma_fp8_rs(float (&acc)[n / 8][4], const uint32_t (&a)[
                : ACC : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b))
   if constexpr (n == 64) WGMMA_FP8_RS("64", REGS_N64, "{%32, %33, %34, %35}, %36", ACC_N64);
   if constexpr (n == 128) WGMMA_FP8_RS("128", REGS_N128, "{%64, %65, %66, %67}, %68", ACC_N128);
+  if constexpr (n == 256)
+    for (int half = 0; half < 2; half++)
+      wgmma_fp8_rs<128>(reinterpret_cast<float(&)[16][4]>(acc[16 * half]), a, b + half * (128 * 128 >> 4));
 }
 
 // V_j (128 keys, d bytes) -> V_j^T (d, 128 keys in key_position order), both in 128-byte rows with the 128-byte
-// swizzle, by warp w of n_warps. ldmatrix.trans transposes 8 x 8 matrices of 16-bit values, not bytes: for keys
+// swizzle (V_j in panels of 128 columns, 128 * 128 bytes apart, as TMA writes them), by warp w of n_warps.
+// ldmatrix.trans transposes 8 x 8 matrices of 16-bit values, not bytes: for keys
 // k0 .. k0+15 and columns c0 .. c0+31 it gives lane (g, t) four registers, each 2 keys x 2 columns,
 //   r0 = V[k0+2t][c0+2g], V[k0+2t][c0+2g+1], V[k0+2t+1][c0+2g], V[k0+2t+1][c0+2g+1]   (bytes, low to high)
 //   r1: keys + 8;   r2: columns + 16;   r3: both.
@@ -3056,10 +3061,11 @@ __device__ void transpose_V(uint32_t V, uint32_t Vt, int w, int n_warps) {
   const int lane = threadIdx.x % 32, m = lane / 8, j = lane % 8;  // lane gives row j of matrix m
   for (int u = w; u < 8 * (d / 32); u += n_warps) {
     const int kg = u % 8, c0 = 32 * (u / 8);  // keys 16kg .., columns c0 ..
-    const int key = 16 * kg + 8 * (m % 2) + j, chunk = c0 / 16 + m / 2;
+    const int key = 16 * kg + 8 * (m % 2) + j, chunk = c0 % 128 / 16 + m / 2;
     uint32_t r[4];
     asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];"
-                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(V + key * 128 + (chunk ^ j) * 16));
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(V + c0 / 128 * (128 * 128) + key * 128 + (chunk ^ j) * 16));
     const int row = c0 + 16 * (m / 2) + 2 * j + m % 2;  // stmatrix: matrices of rows c0 + 2g, + 1, + 16, + 17
     asm volatile("stmatrix.sync.aligned.m8n8.x4.shared.b16 [%0], {%1,%2,%3,%4};"
                  ::"r"(Vt + row * 128 + (kg ^ row % 8) * 16), "r"(__byte_perm(r[0], r[1], 0x6420)),
@@ -3096,13 +3102,14 @@ __device__ void pair_maxima(float (&M)[1][4], const uint32_t (&S)[tiles][2]) {
 
 // fp8 forward on Hopper (sm_90a): the hopper kernel with 8-bit products. Grid (T_r, H_q, B); B_r = 64 NWG (NWG = 3
 // consumers, or 2: fwd_8bit), B_c = 128 (one scale of K_j and of V_j per block; each consumer's 64 rows of Q_i lie
-// in one block of Q's scales), d <= 128 (a tile row of d bytes, one 128-byte panel). What changes:
+// in one block of Q's scales). A tile row of d bytes is one 128-byte panel, two at d = 256. What changes:
 // - S_ij = Q_i K_j^T is d/32 wgmma m64n128k32, summed in fp16: 32 registers a thread where fp32 takes 64, which
 //   leaves room for a third consumer at d = 128, as the hopper kernel has at d = 64 (O_i 64 registers, P_ij twice 16:
 //   160 a thread beside a producer at 24; ptxas keeps three values in local memory, 12 bytes, and 44 beside the
 //   transpose's producer at 40). The sums cannot overflow: flash_quantize scales Q and K to |x_hat| <= 16, so each of
-//   the d <= 128 products is at most 256 and S_ij at most 32768, below fp16's 65504. The row maxima are taken on the
-//   pairs, each entry is turned to fp32 for its exponential, and softmax(j) multiplies in s_Q,i s_K,j with the scale.
+//   the d <= 128 products is at most 256 and S_ij at most 32768, below fp16's 65504 (at d = 256, |x_hat| <= 11:
+//   S_ij at most 30976; main.FP8_QK_MAX). The row maxima are taken on the pairs, each entry is turned to fp32 for
+//   its exponential, and softmax(j) multiplies in s_Q,i s_K,j with the scale.
 // - P_ij is rounded to e4m3 for O_i += P_ij V_j (B_c/32 wgmma m64n{d}k32), scaled by 2^8 first (exp2(s - m_i + 8),
 //   at most 256 < 448), so that probabilities down to 2^-17 (not 2^-9) stay above e4m3's smallest subnormal;
 //   l_i carries the same 2^8, which O_i / l_i cancels.
@@ -3118,14 +3125,15 @@ flash_fwd_hopper_fp8(const __grid_constant__ CUtensorMap Q_map, const __grid_con
 #if SM90A
   constexpr int B_r = 64 * NWG, B_c = 128, producer_regs = V_TRANSPOSED ? 24 : 40;  // (40: the transpose's)
   constexpr int consumer_regs = (65536 / 128 - producer_regs) / NWG / 8 * 8;  // NWG = 3: 160 (152); 2: 240 (232)
-  constexpr uint32_t tile_bytes = 128 * 128, Vt_bytes = d * 128, stage_bytes = 2 * tile_bytes + Vt_bytes;
-  constexpr uint32_t Q_bytes = B_r * 128;
+  constexpr int row_panels = panels(d / 2);  // of 128 bytes in a row of Q_i, K_j, V_j (panels() counts 16-bit values)
+  constexpr uint32_t Q_panel = B_r * 128, tile_panel = B_c * 128, tile_bytes = row_panels * tile_panel;
+  constexpr uint32_t Vt_bytes = d * 128, stage_bytes = (V_TRANSPOSED ? 1 : 2) * tile_bytes + Vt_bytes;
   extern __shared__ unsigned char smem_raw[];
   const uint32_t Q_s = (smem_addr(smem_raw) + 1023) & ~1023u;  // Q_i (B_r, d bytes)
-  auto K_s = [&](int s) { return Q_s + Q_bytes + s * stage_bytes; };  // K_j in stage s (B_c, d bytes)
-  auto V_s = [&](int s) { return K_s(s) + tile_bytes; };                  // V_j as stored (B_c, d bytes)
-  auto Vt_s = [&](int s) { return V_s(s) + tile_bytes; };                 // V_j^T (d, B_c bytes)
-  const uint32_t Q_full = Q_s + Q_bytes + STAGES * stage_bytes;          // then the mbarriers
+  auto K_s = [&](int s) { return Q_s + row_panels * Q_panel + s * stage_bytes; };  // K_j in stage s (B_c, d bytes)
+  auto V_s = [&](int s) { return K_s(s) + tile_bytes; };  // V_j as stored (B_c, d bytes; not with V_TRANSPOSED)
+  auto Vt_s = [&](int s) { return V_s(s) + (V_TRANSPOSED ? 0 : tile_bytes); };  // V_j^T (d, B_c bytes)
+  const uint32_t Q_full = K_s(STAGES);  // then the mbarriers
   auto full = [&](int s) { return Q_full + 8 * (1 + s); };
   auto empty = [&](int s) { return Q_full + 8 * (1 + STAGES + s); };
   auto transposed = [&](int s) { return Q_full + 8 * (1 + 2 * STAGES + s); };
@@ -3147,15 +3155,17 @@ flash_fwd_hopper_fp8(const __grid_constant__ CUtensorMap Q_map, const __grid_con
     asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;" ::"n"(producer_regs));
     const Sequence seq(nullptr);
     if (threadIdx.x == 0) {
-      mbar_arrive_expect_bytes(Q_full, Q_bytes);                                   // l.4: load Q_i
-      tma_load(Q_s, Q_map, 0, seq, row0, blockIdx.y, Q_full);
+      mbar_arrive_expect_bytes(Q_full, row_panels * Q_panel);                        // l.4: load Q_i
+      for (int p = 0; p < row_panels; p++) tma_load(Q_s + p * Q_panel, Q_map, 128 * p, seq, row0, blockIdx.y, Q_full);
       for (int n = 0; n < n_blocks; n++) {                                         // l.7: load K_j, V_j
         const int s = n % STAGES, j = j0 + n;
         if (n >= STAGES) mbar_wait(empty(s), (n / STAGES - 1) % 2);  // block j - STAGES is out of stage s
         mbar_arrive_expect_bytes(full(s), tile_bytes + (V_TRANSPOSED ? Vt_bytes : tile_bytes));
-        tma_load(K_s(s), K_map, 0, seq, j * B_c, h_kv, full(s));
+        for (int p = 0; p < row_panels; p++) {
+          tma_load(K_s(s) + p * tile_panel, K_map, 128 * p, seq, j * B_c, h_kv, full(s));
+          if (!V_TRANSPOSED) tma_load(V_s(s) + p * tile_panel, V_map, 128 * p, seq, j * B_c, h_kv, full(s));
+        }
         if (V_TRANSPOSED) tma_load(Vt_s(s), V_map, j * B_c, seq, 0, h_kv, full(s));  // (d, B_c) at key j B_c
-        else tma_load(V_s(s), V_map, 0, seq, j * B_c, h_kv, full(s));
       }
     } else if (!V_TRANSPOSED && threadIdx.x >= 32) {
       for (int n = 0; n < n_blocks; n++) {
@@ -3183,8 +3193,11 @@ flash_fwd_hopper_fp8(const __grid_constant__ CUtensorMap Q_map, const __grid_con
     uint32_t P[B_c / 32][4], P_next[B_c / 32][4];
     const uint32_t zero = uint32_t(n_blocks) >> 31;
     auto issue_S = [&](int n) {  // S_ij = Q_i K_j^T (l.8): k slice kk is bytes 32kk .. 32kk+31 of each row
-      for (int kk = 0; kk < d / 32; kk++)
-        wgmma_fp8_ss(S, smem_desc(Q_wg + 32 * kk, 0), smem_desc(K_s(n % STAGES) + 32 * kk, 0), kk > 0);
+      for (int kk = 0; kk < d / 32; kk++) {
+        const uint32_t panel = kk / 4, byte = 32 * (kk % 4);
+        wgmma_fp8_ss(S, smem_desc(Q_wg + panel * Q_panel + byte, 0),
+                     smem_desc(K_s(n % STAGES) + panel * tile_panel + byte, 0), kk > 0);
+      }
       wgmma_commit();
     };
     // l.9, then P_ij times 2^8 as e4m3 fragments in P_next. The scores are f S_ij, f = scale log2(e) s_Q,i s_K,j > 0
@@ -3768,7 +3781,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
 
 #if defined(BUILD_hopper_fp8) || defined(BUILD_ampere_int8)
 // The 8-bit extensions (section 8), forward only: quantize() makes the inputs, forward() runs the kernel. Built per
-// tile width like the others (-DHEAD_DIM = 64 or 128: main.py pads d up to it).
+// tile width like the others (-DHEAD_DIM = 64, 128 or 256: main.py pads d up to it).
 #if defined(BUILD_hopper_fp8)
 constexpr bool FP8 = true;
 #else
@@ -3805,18 +3818,21 @@ std::vector<at::Tensor> quantize(const at::Tensor& X, const std::optional<at::Te
 }
 
 #if defined(BUILD_hopper_fp8)
-// 3 stages of K_j, V_j and V_j^T (48 KB each at d = 128) and Q_i: 169 KB. (4 stages, measured no faster on an H100
-// with two consumers: 1.11-1.26x the hopper fp16 kernel with 3, 1.12-1.24x with 4, d = 128, N = 4096 and 16384.)
+// 3 stages of K_j, V_j and V_j^T (48 KB each at d = 128; K_j and V_j^T alone with V_TRANSPOSED) and Q_i: 169 KB.
+// (4 stages, measured no faster on an H100 with two consumers: 1.11-1.26x the hopper fp16 kernel with 3, 1.12-1.24x
+// with 4, d = 128, N = 4096 and 16384.) At d = 256 a stage takes 96 KB, or 64 with V_TRANSPOSED: 2 stages, or 3.
 // Three consumers: at d = 64, where O_i's 32 registers always left a third one room, 1.13-1.31x two on an H200 (bf16,
 // N = 4096 and 16384, causal and not); at d = 128 since S_ij is summed in fp16 (notebook 11, section 7). Two on
-// short masked rows, as the hopper kernel (short_masked_rows).
-template <typename T, bool V_TRANSPOSED, int STAGES = 3, int NWG = 3>
+// short masked rows, as the hopper kernel (short_masked_rows), and at d = 256, where O_i takes 128 registers.
+template <typename T, bool V_TRANSPOSED, int STAGES = HEAD_DIM <= 128 || V_TRANSPOSED ? 3 : 2,
+          int NWG = HEAD_DIM <= 128 ? 3 : 2>
 void fwd_8bit(const at::Tensor& Q, const at::Tensor& K, const at::Tensor& V, at::Tensor& O, at::Tensor& L,
               const Scores& sc, const Scales& scales, cudaStream_t stream) {
-  constexpr int d = HEAD_DIM, B_r = 64 * NWG, B_c = 128;
+  constexpr int d = HEAD_DIM, B_r = 64 * NWG, B_c = 128, row_panels = panels(d / 2);
   if constexpr (NWG == 3)
     if (short_masked_rows(sc)) return fwd_8bit<T, V_TRANSPOSED, STAGES, 2>(Q, K, V, O, L, sc, scales, stream);
-  const size_t smem = B_r * 128 + STAGES * (2 * 128 * 128 + d * 128) + 8 * (1 + 3 * STAGES) + 1024;
+  const size_t smem = (B_r + STAGES * (V_TRANSPOSED ? 1 : 2) * B_c) * 128 * row_panels + STAGES * d * 128 +
+                      8 * (1 + 3 * STAGES) + 1024;
   launch(flash_fwd_hopper_fp8<T, d, NWG, STAGES, V_TRANSPOSED>, grid((sc.mask.N_q + B_r - 1) / B_r, Q, sc),
          128 * (NWG + 1), smem, stream, tensor_map(Q, B_r), tensor_map(K, B_c), tensor_map(V, V_TRANSPOSED ? d : B_c),
          rows<T>(O), ptr<float>(L), sc, group(Q, K), scales);
@@ -3824,10 +3840,11 @@ void fwd_8bit(const at::Tensor& Q, const at::Tensor& K, const at::Tensor& V, at:
 #else
 // The ampere kernel's tiles, with int8 Q_i and K_j, but B_c = 64 at d = 64 too (128 keys: 36 bytes of spills, and
 // 0.97-0.99x on an H200). Eight warps of one 16-row tile, two blocks per SM, ran at 0.89x at d = 128 (notebook 11).
+// Past d = 128 one tile per warp, as the ampere kernel.
 template <typename T, bool V_TRANSPOSED, int B_c = 64>
 void fwd_8bit(const at::Tensor& Q, const at::Tensor& K, const at::Tensor& V, at::Tensor& O, at::Tensor& L,
               const Scores& sc, const Scales& scales, cudaStream_t stream) {
-  constexpr int d = HEAD_DIM, NW = 4, M = 2, B_r = 16 * M * NW;
+  constexpr int d = HEAD_DIM, NW = 4, M = d <= 128 ? 2 : 1, B_r = 16 * M * NW;
   const size_t smem = (B_r + 2 * B_c) * (d + 16) + sizeof(T) * 2 * B_c * (d + 8);
   if constexpr (B_c > 16)
     if (smem > max_smem_per_block()) return fwd_8bit<T, V_TRANSPOSED, B_c / 2>(Q, K, V, O, L, sc, scales, stream);

@@ -661,20 +661,21 @@ def flash_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
 # 8-bit attention, forward only (inference): flash.cu's section 8. quantize() makes the 8-bit inputs, with one scale
 # per QUANT_ROWS rows of a head; flash_attention_8bit runs the fp8 kernel (hopper_fp8: e4m3 wgmma, sm_90) or the int8
 # one (ampere_int8: s8 mma.sync for S = Q K^T, P V in fp16/bf16, sm_80+). Each is its own extension per tile width
-# (64 or 128: d is padded up to it), built on first use.
+# (64, 128 or 256: d is padded up to it), built on first use.
 
 EIGHT_BIT = {torch.float8_e4m3fn: "hopper_fp8", torch.int8: "ampere_int8"}
-EIGHT_BIT_HEAD_DIMS = (64, 128)
-# The largest |x_hat| of each input (x = scale * x_hat): int8's 127; for fp8, e4m3's 448 for v, and 16 for q and k,
-# whose products the fp8 kernel sums in fp16: d <= 128 of them stay within 128 * 16 * 16 = 32768 (fp16: 65504).
-FP8_MAX, FP8_QK_MAX, INT8_MAX = 448.0, 16.0, 127.0
+EIGHT_BIT_HEAD_DIMS = (64, 128, 256)
+# The largest |x_hat| of each input (x = scale * x_hat): int8's 127; for fp8, e4m3's 448 for v, and for q and k,
+# whose products the fp8 kernel sums in fp16, 16 up to D = 128 and 11 at 256 (by tile width D), so that D products
+# stay within 128 * 16^2 = 32768 (256 * 11^2 = 30976; fp16 holds 65504).
+FP8_MAX, INT8_MAX, FP8_QK_MAX = 448.0, 127.0, {64: 16.0, 128: 16.0, 256: 11.0}
 QUANT_ROWS = int(re.search(r"constexpr int QUANT_ROWS = (\d+);", open(os.path.join(ROOT, "flash.cu")).read()).group(1))
 
 
 class Quantized(NamedTuple):
     """8-bit q, k (and v, for fp8) with their scales, as quantize() returns them: x = scale * x_hat per block of
-    QUANT_ROWS rows of a head, scale = max |x| / range over the block (range: FP8_QK_MAX, FP8_MAX or INT8_MAX).
-    q, k: (B, H, N, D) int8 or float8_e4m3fn, D the tile width (64 or 128, the columns past d zero); v: fp8, (B,
+    QUANT_ROWS rows of a head, scale = max |x| / range over the block (range: FP8_QK_MAX[D], FP8_MAX or INT8_MAX).
+    q, k: (B, H, N, D) int8 or float8_e4m3fn, D the tile width (64, 128 or 256, the columns past d zero); v: fp8, (B,
     H_kv, N_k, D), or (B, H_kv, D, N_pad) if v_transposed (keys in the kernel's order, flash.cu's key_position);
     int8, v itself (fp16/bf16). q_scale, k_scale, v_scale: (B, H, ceil(N / QUANT_ROWS)) float32 (v_scale None for
     int8). d: the head dim before padding; out_dtype: the output's dtype. (int8's v is kept as given, and padded
@@ -771,7 +772,7 @@ def quantize(q, k, v, dtype=torch.float8_e4m3fn, rotate=False, smooth_k=None, tr
     D = min(D for D in EIGHT_BIT_HEAD_DIMS if D >= d)
     signs = rotation_signs(D, seed, q.device) if rotate else None
     mean = _padded(k.mean(2, dtype=torch.float32), D).contiguous() if smooth_k and k.shape[2] > 0 else None
-    qk_range = FP8_QK_MAX if fp8 else INT8_MAX
+    qk_range = FP8_QK_MAX[D] if fp8 else INT8_MAX
     q8, q_scale = _quantize(q, None, signs, fp8, False, D, qk_range)
     k8, k_scale = _quantize(k, mean, signs, fp8, False, D, qk_range)
     v8, v_scale = _quantize(v, None, None, True, transpose_v, D, FP8_MAX) if fp8 else (v, None)

@@ -310,7 +310,13 @@ def attention_varlen(Q, K, V, cu_seqlens_q, cu_seqlens_k, causal=False, softmax_
 # attention they compute, in float64 apart from the roundings to 8 bits.
 QUANT_ROWS = 128  # rows of a head per scale
 FP8_MAX, INT8_MAX = 448.0, 127.0  # the largest e4m3 value; int8's symmetric range
-FP8_QK_MAX = 16.0  # fp8's Q and K: 128 products of them sum to at most 32768, which fp16 (the kernel's S) holds
+FP8_QK_MAX = 16.0  # fp8's Q and K up to d = 128: 128 products sum to at most 32768, which fp16 (the kernel's S) holds
+
+
+def fp8_qk_max(d):
+    """fp8's largest |x_hat| for Q and K of head dim d: FP8_QK_MAX up to d = 128, 11 up to 256 (256 * 11^2 = 30976),
+    so that the kernel's fp16 sums of d products stay within 32768."""
+    return FP8_QK_MAX if d <= 128 else 11.0
 
 
 def rotation(D, signs):
@@ -354,7 +360,7 @@ def attention_8bit(Q, K, V, dtype=torch.float8_e4m3fn, causal=False, softmax_sca
                    smooth_k=False):
     """What flash_attention_8bit computes: Q and K (rotated by rotation(d, signs) if signs is given; K minus its
     mean over the keys if smooth_k) quantized by blocks of QUANT_ROWS rows, and S_hat = Q_hat K_hat^T, which the fp8
-    kernel sums in fp16 (Q and K scaled to |x_hat| <= FP8_QK_MAX for that; rounded here once, where the kernel rounds
+    kernel sums in fp16 (Q and K scaled to |x_hat| <= fp8_qk_max(d) for that; rounded here once, where the kernel rounds
     after each 32 columns of d); for fp8 also V, and P = softmax rounded to e4m3 after scaling by 2^8 (each row's
     largest entry becomes 256), as the kernel's P_ij V_j takes it; for int8, V and P stay as they are (the kernel keeps
     them in fp16/bf16)."""
@@ -366,7 +372,8 @@ def attention_8bit(Q, K, V, dtype=torch.float8_e4m3fn, causal=False, softmax_sca
         R = rotation(Q.shape[-1], signs).to(Q.device)
         Q, K = Q @ R, K @ R
     fp8 = dtype != torch.int8
-    (Q_hat, s_Q), (K_hat, s_K) = (quantize_blocks(X, dtype, value_range=FP8_QK_MAX if fp8 else None) for X in (Q, K))
+    qk_range = fp8_qk_max(Q.shape[-1]) if fp8 else None
+    (Q_hat, s_Q), (K_hat, s_K) = (quantize_blocks(X, dtype, value_range=qk_range) for X in (Q, K))
     S_hat = Q_hat @ _query_heads(K_hat, Q).transpose(-1, -2)
     if fp8:
         S_hat = S_hat.half().double()

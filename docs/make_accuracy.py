@@ -125,7 +125,7 @@ def inputs_8bit(d, outliers, seed):
 
 def measure_8bit():
     lines = ["| d | inputs | fp16 | fp8 | fp8, rotated | int8 | int8, rotated |", "|---|---|---|---|---|---|---|"]
-    for d in (64, 128):
+    for d in main.EIGHT_BIT_HEAD_DIMS:
         for outliers in (False, True):
             q, k, v = inputs_8bit(d, outliers, d + outliers)
             exact = reference.attention(q.double(), k.double(), v.double())

@@ -93,7 +93,7 @@ def test_validation_before_any_launch():
 
 SHAPES = [  # B, H_q, H_kv, N_q, N_k, d: ragged blocks, GQA, N_q != N_k, one query, one key, padded d
     (2, 4, 2, 200, 333, 64), (1, 2, 2, 1, 77, 128), (2, 2, 1, 300, 300, 128), (1, 3, 3, 129, 1000, 96),
-    (1, 1, 1, 1, 1, 64), (1, 2, 1, 517, 260, 40)]
+    (1, 1, 1, 1, 1, 64), (1, 2, 1, 517, 260, 40), (1, 2, 1, 300, 400, 256), (1, 1, 1, 130, 130, 200)]
 
 
 @cuda
@@ -107,7 +107,7 @@ def test_against_float64(dtype, shape, causal, rotate):
     q = torch.randn(B, H_q, N_q, d, device="cuda", dtype=torch.bfloat16)
     k, v = (torch.randn(B, H_kv, N_k, d, device="cuda", dtype=torch.bfloat16) for _ in range(2))
     exact = reference.attention(q.double(), k.double(), v.double(), causal)
-    D = 64 if d <= 64 else 128
+    D = min(D for D in main.EIGHT_BIT_HEAD_DIMS if D >= d)
     signs = main.rotation_signs(D, 0, "cuda") if rotate else None
     pad = lambda x: torch.nn.functional.pad(x.double(), (0, D - d))
     emulated = reference.attention_8bit(pad(q), pad(k), pad(v), dtype, causal, 1 / math.sqrt(d), signs=signs,
@@ -118,6 +118,23 @@ def test_against_float64(dtype, shape, causal, rotate):
         assert o.shape == q.shape and o.dtype == q.dtype
         err = rmse(o, exact)
         assert err < bound, f"transpose_v={transpose_v}: rmse {err:.2e}, the quantization's own {bound:.2e}"
+
+
+@cuda
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("d", [128, 256])
+def test_largest_scores(dtype, d):
+    """Rows of equal values quantize to the largest |x_hat| in every column, so that S_ij reaches the bound the
+    ranges are chosen for (fp8: fp16 sums of d products, main.FP8_QK_MAX; int8: s32 sums, flash.cu's SUM_START):
+    the scores are all equal, and O is the mean of V's rows."""
+    torch.manual_seed(3)
+    q, k = (torch.full((1, 1, 256, d), 0.5, device="cuda", dtype=torch.float16) for _ in range(2))
+    v = torch.randn(1, 1, 256, d, device="cuda", dtype=torch.float16)
+    x = main.quantize(q, k, v, dtype, smooth_k=False)  # (smoothed, k would be 0)
+    assert x.q.float().abs().max() == (main.FP8_QK_MAX[d] if dtype != torch.int8 else main.INT8_MAX)
+    o = main.flash_attention_8bit(x)
+    mean = v.double().mean(2, keepdim=True).expand_as(o)
+    assert o.isfinite().all() and rmse(o, mean) < 2e-2
 
 
 @cuda
@@ -142,7 +159,7 @@ def test_quantize_matches_reference(dtype):
     for rotate in (False, True):
         q8 = main.quantize(x, x, x, dtype, rotate=rotate, smooth_k=False, seed=3)
         y = x.double() @ reference.rotation(64, signs).cuda() if rotate else x.double()
-        value_range = reference.FP8_QK_MAX if dtype != torch.int8 else None  # (q and k: the fp8 kernel's S is fp16)
+        value_range = reference.fp8_qk_max(64) if dtype != torch.int8 else None  # (q, k: the fp8 kernel's S is fp16)
         x_hat, s = reference.quantize_blocks(y, dtype, value_range=value_range)
         torch.testing.assert_close(q8.q_scale.double(), s, rtol=1e-5, atol=0)
         # values equal but for rounding ties (the kernel's transform runs in fp32): at most one step apart
