@@ -3024,7 +3024,7 @@ flash_quantize(Rows<const T> X, uint8_t* __restrict__ out, float* __restrict__ s
 //   layout with its pairs packed). The kernel's S_ij.
 // - wgmma_fp8_rs: A in registers (the k32 A fragment: a0 = A[g][4t .. 4t+3], a1 = rows + 8, a2 = columns + 16,
 //   a3 = both, of warp w's rows 16w ..), fp32 sums, n = 64, 128 or 256 (two of 128: the B rows of the second half
-//   start 128 rows of 128 bytes later). The kernel's O_i += P_ij V_j.
+//   start 128 rows of 128 bytes later, and a descriptor counts addresses in 16 bytes). The kernel's O_i += P_ij V_j.
 #define ACC_PAIRS(i) "+r"(acc[i][0]), "+r"(acc[i][1])
 __device__ inline void wgmma_fp8_ss(uint32_t (&acc)[16][2], uint64_t a, uint64_t b, bool accumulate) {
   asm volatile("{ .reg .pred p; setp.ne.b32 p, %34, 0; wgmma.mma_async.sync.aligned.m64n128k32.f16.e4m3.e4m3 "
@@ -3102,7 +3102,8 @@ __device__ void pair_maxima(float (&M)[1][4], const uint32_t (&S)[tiles][2]) {
 
 // fp8 forward on Hopper (sm_90a): the hopper kernel with 8-bit products. Grid (T_r, H_q, B); B_r = 64 NWG (NWG = 3
 // consumers, or 2: fwd_8bit), B_c = 128 (one scale of K_j and of V_j per block; each consumer's 64 rows of Q_i lie
-// in one block of Q's scales). A tile row of d bytes is one 128-byte panel, two at d = 256. What changes:
+// in one block of Q's scales). A tile row of d bytes is one 128-byte panel, two at d = 256 (where NWG = 2, O_i
+// taking 128 registers: no spills with V_TRANSPOSED, 24 bytes beside the transpose's producer). What changes:
 // - S_ij = Q_i K_j^T is d/32 wgmma m64n128k32, summed in fp16: 32 registers a thread where fp32 takes 64, which
 //   leaves room for a third consumer at d = 128, as the hopper kernel has at d = 64 (O_i 64 registers, P_ij twice 16:
 //   160 a thread beside a producer at 24; ptxas keeps three values in local memory, 12 bytes, and 44 beside the
@@ -3818,9 +3819,10 @@ std::vector<at::Tensor> quantize(const at::Tensor& X, const std::optional<at::Te
 }
 
 #if defined(BUILD_hopper_fp8)
-// 3 stages of K_j, V_j and V_j^T (48 KB each at d = 128; K_j and V_j^T alone with V_TRANSPOSED) and Q_i: 169 KB.
-// (4 stages, measured no faster on an H100 with two consumers: 1.11-1.26x the hopper fp16 kernel with 3, 1.12-1.24x
-// with 4, d = 128, N = 4096 and 16384.) At d = 256 a stage takes 96 KB, or 64 with V_TRANSPOSED: 2 stages, or 3.
+// 3 stages of K_j, V_j and V_j^T (48 KB each at d = 128, 32 KB with V_TRANSPOSED, which has no V_j as stored) and
+// Q_i: 169 KB (121 KB). (4 stages, measured no faster on an H100 with two consumers: 1.11-1.26x the hopper fp16
+// kernel with 3, 1.12-1.24x with 4, d = 128, N = 4096 and 16384.) At d = 256 a stage takes 96 KB (64 KB with
+// V_TRANSPOSED) and Q_i 32 KB: 2 stages fit (3).
 // Three consumers: at d = 64, where O_i's 32 registers always left a third one room, 1.13-1.31x two on an H200 (bf16,
 // N = 4096 and 16384, causal and not); at d = 128 since S_ij is summed in fp16 (notebook 11, section 7). Two on
 // short masked rows, as the hopper kernel (short_masked_rows), and at d = 256, where O_i takes 128 registers.
