@@ -21,7 +21,7 @@
 //   7. hopper           wgmma (operands from shared memory by descriptors, P_ij from         sm_90a
 //                       registers), TMA loads by a producer warpgroup into mbarrier stages;
 //                       forward: two consumer warpgroups (three at d <= 64) taking turns,
-//                       lazy rescaling at d = 128; backward: P and dS through shared memory,
+//                       lazy rescaling at d >= 128; backward: P and dS through shared memory,
 //                       overlapped with the previous block's products, dQ added by TMA reductions
 //   8. 8-bit            forward only: flash_quantize (one scale per 128 rows, optional Hadamard      sm_80+
 //                       rotation); fp8 on wgmma (e4m3, V_j^T by ldmatrix.trans + byte permutes +
@@ -2319,8 +2319,9 @@ flash_fwd_hopper(const __grid_constant__ CUtensorMap Q_map, const __grid_constan
     // scores with a positive scale are scaled inside the exponent (f: see update_row_max), 64 FMUL fewer per thread
     // and block; a softcap, ALiBi or a negative scale takes Scores' steps first (f = 1).
     const float f = sc.plain() && sc.scale_log2 > 0.f ? sc.scale_log2 : 1.f;
-    // lazy rescaling (update_row_max) at d = 128: 1.00-1.05x on an H100; at d = 64 0.96-1.00x (notebook 08)
-    constexpr int tau = d == 128 ? 8 : 0;
+    // lazy rescaling (update_row_max) at d = 128: 1.00-1.05x on an H100; at d = 64 0.96-1.00x (notebook 08); past
+    // d = 128, where B_c = 64 and O_i takes d/2 registers against S_ij's 32, 1.02-1.07x on an H200 (d = 160, 192, 256)
+    constexpr int tau = d >= 128 ? 8 : 0;
     auto softmax = [&](int n) {
       const int j = j0 + n;
       const bool masked = mask.any(row0, B_r, j * B_c, B_c);  // any masked entry in the block?

@@ -1,5 +1,5 @@
 """Exercise 12: lazy rescaling, the online softmax's update with a threshold (FlashAttention-4's; flash.cu's
-hopper forward at d = 128, update_row_max's tau). Fill in the three TODOs; forward() is given.
+hopper forward at d >= 128, update_row_max's tau). Fill in the three TODOs; forward() is given.
 
 Base 2, as the kernels: scores S_ij already carry scale * log2(e), P_ij = 2^(S_ij - m_i), and L = (m_i +
 log2(l_i)) / log2(e) in natural-log units. Symbols as in reference.py: S_ij, P_ij (..., B_r, B_c); V_j (..., B_c,
