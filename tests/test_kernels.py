@@ -75,6 +75,20 @@ def test_row_maxima_that_keep_growing(kernel, dtype, causal):
     check(kernel, q, k, v, do, causal)
 
 
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("kernel, dtype, d", [c for c in CASES if c[0] == "hopper" and c[2] > 128])
+def test_row_maxima_that_keep_growing_past_128(kernel, dtype, d, causal):
+    """The same keys past d = 128, where the hopper forward rescales lazily too (B_c = 64): O only, against 3x SDPA's
+    error."""
+    torch.manual_seed(d)
+    q, k, v = (torch.randn(2, 4, 1000, d, device="cuda", dtype=DTYPES[dtype]) for _ in range(3))
+    k = k * torch.linspace(0.1, 8.0, 1000, device="cuda", dtype=k.dtype)[:, None]
+    exact = reference.attention(q.double(), k.double(), v.double(), causal)
+    err = rel_err(flash_attention(q, k, v, causal=causal, kernel=kernel), exact)
+    err_sdpa = rel_err(F.scaled_dot_product_attention(q, k, v, is_causal=causal), exact)
+    assert err <= 3 * err_sdpa + FLOOR[q.dtype], f"relative error {err:.2e} vs SDPA's {err_sdpa:.2e} (d = {d})"
+
+
 @pytest.mark.parametrize("d", PADDED)
 @pytest.mark.parametrize("kernel, dtype", sorted({(k, dtype) for k, dtype, _ in CASES}))
 def test_head_dims_between_tile_widths(kernel, dtype, d):
