@@ -746,7 +746,7 @@ def rotation_signs(D, seed=0, device="cuda"):
 
 
 def quantize(q, k, v, dtype=torch.float8_e4m3fn, rotate=False, smooth_k=None, transpose_v=None, seed=0):
-    """q, k, v (fp16/bf16, flash_attention's shapes, d <= 128) as 8-bit inputs of flash_attention_8bit: a Quantized.
+    """q, k, v (fp16/bf16, flash_attention's shapes, d <= 256) as 8-bit inputs of flash_attention_8bit: a Quantized.
     dtype: torch.float8_e4m3fn (Hopper: q, k and v in e4m3) or torch.int8 (sm_80+: q and k in int8, v kept).
     rotate: q and k times one random orthogonal H = diag(signs) Hadamard / sqrt(D) (signs from seed), which leaves
     q k^T unchanged and spreads outlier channels (FlashAttention-3's incoherent processing). smooth_k (default: on
@@ -782,7 +782,7 @@ def quantize(q, k, v, dtype=torch.float8_e4m3fn, rotate=False, smooth_k=None, tr
 def flash_attention_8bit(q, k=None, v=None, causal=False, softmax_scale=None, window=(-1, -1),
                          dtype=torch.float8_e4m3fn, rotate=False, smooth_k=None, transpose_v=None):
     """Attention with 8-bit products, forward only (inference): O (B, H_q, N_q, d) in q's dtype. q, k, v as
-    flash_attention's (float16 or bfloat16, d <= 128, requires_grad off), quantized here by quantize(q, k, v, dtype,
+    flash_attention's (float16 or bfloat16, d <= 256, requires_grad off), quantized here by quantize(q, k, v, dtype,
     rotate, smooth_k, transpose_v); or q a Quantized from quantize() (k, v None), to quantize once and reuse.
     causal, softmax_scale, window: as flash_attention's (the default scale from the unpadded d; softmax_scale >= 0).
     dtype: torch.float8_e4m3fn (Hopper) or torch.int8 (sm_80+). Errors: docs/accuracy.md."""
