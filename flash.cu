@@ -3119,17 +3119,29 @@ __device__ void pair_maxima(float (&M)[1][4], const uint32_t (&S)[tiles][2]) {
 //   lands; V_TRANSPOSED = false), or already transposed by flash_quantize (V_TRANSPOSED).
 // - O_i accumulates P_ij V_hat_j, V's scale left out: rescaling O_i by alpha s_V,j / s_V,j+1 before block j+1 keeps
 //   O_i in units of the last block's s_V, applied once at the end.
+// The fp8 kernel's shared memory, for the kernel and its launcher (fwd_8bit): Q_i, then STAGES stages of K_j, V_j as
+// stored (not with V_TRANSPOSED) and V_j^T, then the mbarriers, the tiles in panels of 128-byte rows (two at d = 256)
+// aligned to 1024 bytes.
+template <int d, int NWG, int STAGES, bool V_TRANSPOSED>
+struct Fp8Tiles {
+  static constexpr int B_r = 64 * NWG, B_c = 128, row_panels = panels(d / 2);  // (panels() counts 16-bit values)
+  static constexpr uint32_t Q_panel = B_r * 128, tile_panel = B_c * 128, tile_bytes = row_panels * tile_panel,
+                            Vt_bytes = d * 128, stage_bytes = (V_TRANSPOSED ? 1 : 2) * tile_bytes + Vt_bytes;
+  static constexpr size_t bytes = row_panels * Q_panel + STAGES * stage_bytes + 8 * (1 + 3 * STAGES) + 1024;
+};
+
 template <typename T, int d, int NWG, int STAGES, bool V_TRANSPOSED>
 __global__ void __launch_bounds__(128 * (NWG + 1), 1)
 flash_fwd_hopper_fp8(const __grid_constant__ CUtensorMap Q_map, const __grid_constant__ CUtensorMap K_map,
                      const __grid_constant__ CUtensorMap V_map, Rows<T> O, float* __restrict__ L, Scores sc, int group,
                      Scales scales) {
 #if SM90A
-  constexpr int B_r = 64 * NWG, B_c = 128, producer_regs = V_TRANSPOSED ? 24 : 40;  // (40: the transpose's)
+  using Tiles = Fp8Tiles<d, NWG, STAGES, V_TRANSPOSED>;
+  constexpr int B_r = Tiles::B_r, B_c = Tiles::B_c, row_panels = Tiles::row_panels;
+  constexpr int producer_regs = V_TRANSPOSED ? 24 : 40;                       // (40: the transpose's)
   constexpr int consumer_regs = (65536 / 128 - producer_regs) / NWG / 8 * 8;  // NWG = 3: 160 (152); 2: 240 (232)
-  constexpr int row_panels = panels(d / 2);  // of 128 bytes in a row of Q_i, K_j, V_j (panels() counts 16-bit values)
-  constexpr uint32_t Q_panel = B_r * 128, tile_panel = B_c * 128, tile_bytes = row_panels * tile_panel;
-  constexpr uint32_t Vt_bytes = d * 128, stage_bytes = (V_TRANSPOSED ? 1 : 2) * tile_bytes + Vt_bytes;
+  constexpr uint32_t Q_panel = Tiles::Q_panel, tile_panel = Tiles::tile_panel, tile_bytes = Tiles::tile_bytes;
+  constexpr uint32_t Vt_bytes = Tiles::Vt_bytes, stage_bytes = Tiles::stage_bytes;
   extern __shared__ unsigned char smem_raw[];
   const uint32_t Q_s = (smem_addr(smem_raw) + 1023) & ~1023u;  // Q_i (B_r, d bytes)
   auto K_s = [&](int s) { return Q_s + row_panels * Q_panel + s * stage_bytes; };  // K_j in stage s (B_c, d bytes)
@@ -3831,14 +3843,13 @@ template <typename T, bool V_TRANSPOSED, int STAGES = HEAD_DIM <= 128 || V_TRANS
           int NWG = HEAD_DIM <= 128 ? 3 : 2>
 void fwd_8bit(const at::Tensor& Q, const at::Tensor& K, const at::Tensor& V, at::Tensor& O, at::Tensor& L,
               const Scores& sc, const Scales& scales, cudaStream_t stream) {
-  constexpr int d = HEAD_DIM, B_r = 64 * NWG, B_c = 128, row_panels = panels(d / 2);
+  using Tiles = Fp8Tiles<HEAD_DIM, NWG, STAGES, V_TRANSPOSED>;
+  constexpr int d = HEAD_DIM, B_r = Tiles::B_r, B_c = Tiles::B_c;
   if constexpr (NWG == 3)
     if (short_masked_rows(sc)) return fwd_8bit<T, V_TRANSPOSED, STAGES, 2>(Q, K, V, O, L, sc, scales, stream);
-  const size_t smem = (B_r + STAGES * (V_TRANSPOSED ? 1 : 2) * B_c) * 128 * row_panels + STAGES * d * 128 +
-                      8 * (1 + 3 * STAGES) + 1024;
   launch(flash_fwd_hopper_fp8<T, d, NWG, STAGES, V_TRANSPOSED>, grid((sc.mask.N_q + B_r - 1) / B_r, Q, sc),
-         128 * (NWG + 1), smem, stream, tensor_map(Q, B_r), tensor_map(K, B_c), tensor_map(V, V_TRANSPOSED ? d : B_c),
-         rows<T>(O), ptr<float>(L), sc, group(Q, K), scales);
+         128 * (NWG + 1), Tiles::bytes, stream, tensor_map(Q, B_r), tensor_map(K, B_c),
+         tensor_map(V, V_TRANSPOSED ? d : B_c), rows<T>(O), ptr<float>(L), sc, group(Q, K), scales);
 }
 #else
 // The ampere kernel's tiles, with int8 Q_i and K_j, but B_c = 64 at d = 64 too (128 keys: 36 bytes of spills, and

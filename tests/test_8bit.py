@@ -74,6 +74,14 @@ def test_attention_8bit_reference_error():
     assert 1e-4 < int8 < fp8 < 2e-2
 
 
+def test_fp8_ranges_of_q_and_k():
+    """main's ranges (by tile width) and the reference's (by head dim) agree, and keep the fp8 kernel's fp16 sums of
+    D products of |x_hat| <= range within 32768 (fp16 holds 65504)."""
+    for D in main.EIGHT_BIT_HEAD_DIMS:
+        assert main.FP8_QK_MAX[D] == reference.fp8_qk_max(D) == reference.fp8_qk_max(D // 2 + 1)
+        assert D * main.FP8_QK_MAX[D] ** 2 <= 32768
+
+
 def test_validation_before_any_launch():
     q = torch.randn(1, 2, 8, 64)
     with pytest.raises(TypeError, match="float16 or bfloat16"):

@@ -69,10 +69,15 @@ def test_against_float64(kernel, dtype, d, N, causal):
 def test_row_maxima_that_keep_growing(kernel, dtype, causal):
     """Keys whose norms grow along the sequence, so that each row's maximum passes m_i again and again: the hopper
     forward at d = 128 (lazy rescaling: update_row_max's tau) moves m_i many times, and skips O_i *= alpha between."""
-    torch.manual_seed(5)
-    q, k, v, do = (torch.randn(2, 4, 1000, 128, device="cuda", dtype=DTYPES[dtype]) for _ in range(4))
-    k = k * torch.linspace(0.1, 8.0, 1000, device="cuda", dtype=k.dtype)[:, None]
+    q, k, v, do = growing_keys(128, DTYPES[dtype], seed=5, tensors=4)
     check(kernel, q, k, v, do, causal)
+
+
+def growing_keys(d, dtype, seed, tensors=3):
+    """q, k, v (and dO) of shape (2, 4, 1000, d), the norms of k's rows growing from 0.1 to 8 along the sequence."""
+    torch.manual_seed(seed)
+    q, k, *rest = (torch.randn(2, 4, 1000, d, device="cuda", dtype=dtype) for _ in range(tensors))
+    return (q, k * torch.linspace(0.1, 8.0, 1000, device="cuda", dtype=dtype)[:, None], *rest)
 
 
 @pytest.mark.parametrize("causal", [False, True])
@@ -80,12 +85,10 @@ def test_row_maxima_that_keep_growing(kernel, dtype, causal):
 def test_row_maxima_that_keep_growing_past_128(kernel, dtype, d, causal):
     """The same keys past d = 128, where the hopper forward rescales lazily too (B_c = 64): O only, against 3x SDPA's
     error."""
-    torch.manual_seed(d)
-    q, k, v = (torch.randn(2, 4, 1000, d, device="cuda", dtype=DTYPES[dtype]) for _ in range(3))
-    k = k * torch.linspace(0.1, 8.0, 1000, device="cuda", dtype=k.dtype)[:, None]
+    q, k, v = growing_keys(d, DTYPES[dtype], seed=d)
     exact = reference.attention(q.double(), k.double(), v.double(), causal)
     err = rel_err(flash_attention(q, k, v, causal=causal, kernel=kernel), exact)
-    err_sdpa = rel_err(F.scaled_dot_product_attention(q, k, v, is_causal=causal), exact)
+    err_sdpa = rel_err(sdpa(causal)(q, k, v), exact)
     assert err <= 3 * err_sdpa + FLOOR[q.dtype], f"relative error {err:.2e} vs SDPA's {err_sdpa:.2e} (d = {d})"
 
 
