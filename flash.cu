@@ -2159,9 +2159,11 @@ __device__ void to_A_fragments(uint32_t (&A)[n / 16][4], const float (&S)[n / 8]
 //   last block: O_i += P_in V_n
 // The consumers take turns to issue (named barrier c is consumer c's turn), so that while one waits for its
 // products the other's softmax has the CUDA cores, and the tensor cores always have work. The kernel gives its
-// stages' mbarriers full(s) and empty(s) and the steps: ready_PV(n) waits until P_in V_n may read block n's stage
-// (beyond its landing); issue_S(n) and issue_PV(n) issue and commit the products; softmax(n) is l.9 for block n;
-// to_P() makes P_in's fragments from S; rescale() is O_i *= alpha.
+// stages' mbarriers full(s), complete when S_in may read block n's stage, and empty(s), on which each warp arrives
+// once P_in V_n has read it; and the steps: ready_PV(n) waits until P_in V_n may read the stage (beyond full);
+// release_K(n) tells that S_in has read it, before empty (the hopper kernel at 2 stages gives K_j mbarriers of its
+// own, so that K_j+2 loads while P_in V_n still runs); issue_S(n) and issue_PV(n) issue and commit the products;
+// softmax(n) is l.9 for block n; to_P() makes P_in's fragments from S; rescale() is O_i *= alpha.
 // ptxas schedules instructions within a basic block, and there it hoists the wait for O_i above the softmax, on
 // which it does not depend: then a consumer's softmax never overlaps its own P_in V_n. softmax_first ends the block
 // after the softmax with a second look at block n+1's mbarrier (complete since issue_S(n + 1), so the spin loop
@@ -2170,11 +2172,11 @@ __device__ void to_A_fragments(uint32_t (&A)[n / 16][4], const float (&S)[n / 8]
 // the kernel (0.98-1.01x with V^T from flash_quantize): so at d = 128 and in the fp8 kernel.
 template <int NWG, int STAGES, bool softmax_first = false, typename S_tiles, int O_tiles>
 __device__ void forward_schedule(int wg, int n_blocks, S_tiles& S, float (&O_i)[O_tiles][4], auto full,
-                                 auto empty, auto ready_PV, auto issue_S, auto issue_PV, auto softmax, auto to_P,
-                                 auto rescale) {
+                                 auto empty, auto ready_PV, auto release_K, auto issue_S, auto issue_PV, auto softmax,
+                                 auto to_P, auto rescale) {
   auto my_turn = [&] { asm volatile("bar.sync %0, %1;" ::"r"(wg), "n"(256) : "memory"); };
   auto next_turn = [&] { asm volatile("bar.arrive %0, %1;" ::"r"(wg % NWG + 1), "n"(256) : "memory"); };
-  auto landed = [&](int n) { mbar_wait(full(n % STAGES), n / STAGES % 2); };  // K_j and V_j of block n
+  auto landed = [&](int n) { mbar_wait(full(n % STAGES), n / STAGES % 2); };  // K_j (V_j: ready_PV) of block n
   if (wg == NWG) next_turn();  // consumer 1 goes first
   landed(0);
   my_turn();
@@ -2182,6 +2184,7 @@ __device__ void forward_schedule(int wg, int n_blocks, S_tiles& S, float (&O_i)[
   issue_S(0);
   next_turn();
   wgmma_wait<0>(S);
+  release_K(0);
   softmax(0);  // (O_i = 0: no rescale)
   to_P();
   for (int n = 0; n + 1 < n_blocks; n++) {                                         // l.6: block j = j0 + n
@@ -2193,6 +2196,7 @@ __device__ void forward_schedule(int wg, int n_blocks, S_tiles& S, float (&O_i)[
     issue_PV(n);
     next_turn();
     wgmma_wait<1>(S);  // S_i,n+1 is done; P_in V_n may still be running
+    release_K(n + 1);
     softmax(n + 1);
     if (softmax_first) landed(n + 1);  // (complete already: see above)
     wgmma_wait<0>(O_i);
@@ -2236,7 +2240,8 @@ __device__ void store_panels(uint32_t tile, uint32_t panel_bytes, const float (&
 // Three kinds of waiting keep the tensor cores busy:
 // - K_j, V_j stream through STAGES shared-memory stages: full[s] completes when stage s has landed,
 //   empty[s] when every consumer warp has finished reading it (mbarriers). The producer refills a stage
-//   as soon as it is empty, up to STAGES blocks ahead.
+//   as soon as it is empty, up to STAGES blocks ahead. With 2 stages (d > 192) K_j and V_j each have their
+//   full and empty, and K_j's half of a stage refills as soon as S_ij is done (split_KV).
 // - A consumer issues S_i,j+1 = Q_i K_j+1^T and O_i += P_ij V_j together and computes the softmax of
 //   block j+1 while P_ij V_j runs (wgmma.wait_group 1, then 0; at d = 128, where ptxas is kept from moving the
 //   second wait above the softmax: forward_schedule).
@@ -2263,9 +2268,17 @@ flash_fwd_hopper(const __grid_constant__ CUtensorMap Q_map, const __grid_constan
   const uint32_t Q_s = (smem_addr(smem_raw) + 1023) & ~1023u;    // Q_i (B_r, d); swizzling needs 1024-alignment
   auto K_s = [&](int s) { return Q_s + Q_bytes + 2 * s * KV_bytes; };  // K_j in stage s (B_c, d)
   auto V_s = [&](int s) { return K_s(s) + KV_bytes; };                  // V_j in stage s (B_c, d)
-  const uint32_t Q_full = Q_s + Q_bytes + 2 * STAGES * KV_bytes;        // then the mbarriers, 8 bytes each
-  auto full = [&](int s) { return Q_full + 8 * (1 + s); };
-  auto empty = [&](int s) { return Q_full + 8 * (1 + STAGES + s); };
+  // then the mbarriers, 8 bytes each. With 2 stages (d > 192) K_j and V_j have their own, so that K_j+2 loads as
+  // soon as S_ij is done, while P_ij V_j still reads V_j: with one pair for both, block j's stage would free only
+  // when S_i,j+2 needs it, and every block would wait for its load (1.29-1.46x slower at d = 256 on an H200). With
+  // 3 stages a block's load has a block's time already, and the extra waits cost more than they gave (0.93-1.01x at
+  // d = 128): there V_full and V_empty are K_full and K_empty. Notebook 08, section 5, models both.
+  constexpr bool split_KV = STAGES == 2;
+  const uint32_t Q_full = Q_s + Q_bytes + 2 * STAGES * KV_bytes;
+  auto K_full = [&](int s) { return Q_full + 8 * (1 + s); };
+  auto K_empty = [&](int s) { return Q_full + 8 * (1 + STAGES + s); };
+  auto V_full = [&](int s) { return split_KV ? Q_full + 8 * (1 + 2 * STAGES + s) : K_full(s); };
+  auto V_empty = [&](int s) { return split_KV ? Q_full + 8 * (1 + 3 * STAGES + s) : K_empty(s); };
   const int wg = threadIdx.x / 128, i = gridDim.x - 1 - blockIdx.x, row0 = i * B_r;
   const Mask mask = sc.mask = sc.mask.sequence();
   if (row0 >= mask.N_q) return;  // (a packed batch: past this sequence's queries)
@@ -2274,7 +2287,10 @@ flash_fwd_hopper(const __grid_constant__ CUtensorMap Q_map, const __grid_constan
 
   if (threadIdx.x == 0) {
     mbar_init(Q_full, 1);
-    for (int s = 0; s < STAGES; s++) mbar_init(full(s), 1), mbar_init(empty(s), 4 * NWG);
+    for (int s = 0; s < STAGES; s++) {
+      mbar_init(K_full(s), 1), mbar_init(K_empty(s), 4 * NWG);
+      if (split_KV) mbar_init(V_full(s), 1), mbar_init(V_empty(s), 4 * NWG);
+    }
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");  // initialised before TMA signals them
   }
   __syncthreads();  // no thread waits on a barrier before it is initialised
@@ -2288,12 +2304,16 @@ flash_fwd_hopper(const __grid_constant__ CUtensorMap Q_map, const __grid_constan
       for (int c = 0; c < panels(d); c++) tma_load(Q_s + c * B_r * 128, Q_map, 64 * c, queries, row0, h, Q_full);
       for (int n = 0; n < n_blocks; n++) {                                         // l.7: load K_j, V_j
         const int s = n % STAGES, j = j0 + n;
-        if (n >= STAGES) mbar_wait(empty(s), (n / STAGES - 1) % 2);  // block j - STAGES is out of stage s
-        mbar_arrive_expect_bytes(full(s), 2 * KV_bytes);
-        for (int c = 0; c < panels(d); c++) {
-          tma_load(K_s(s) + c * B_c * 128, K_map, 64 * c, keys, j * B_c, h_kv, full(s));
-          tma_load(V_s(s) + c * B_c * 128, V_map, 64 * c, keys, j * B_c, h_kv, full(s));
+        if (n >= STAGES) mbar_wait(K_empty(s), (n / STAGES - 1) % 2);  // block j - STAGES's K is out of stage s
+        mbar_arrive_expect_bytes(K_full(s), split_KV ? KV_bytes : 2 * KV_bytes);
+        for (int c = 0; c < panels(d); c++)
+          tma_load(K_s(s) + c * B_c * 128, K_map, 64 * c, keys, j * B_c, h_kv, K_full(s));
+        if (split_KV) {
+          if (n >= STAGES) mbar_wait(V_empty(s), (n / STAGES - 1) % 2);  // and its V
+          mbar_arrive_expect_bytes(V_full(s), KV_bytes);
         }
+        for (int c = 0; c < panels(d); c++)
+          tma_load(V_s(s) + c * B_c * 128, V_map, 64 * c, keys, j * B_c, h_kv, V_full(s));
       }
     }
   } else {  // consumer warpgroup wg: rows 64(wg-1) .. 64wg-1 of the block
@@ -2357,8 +2377,14 @@ flash_fwd_hopper(const __grid_constant__ CUtensorMap Q_map, const __grid_constan
     };
     mbar_wait(Q_full, 0);
     auto rescale = [&] { rescale_O<d, tau>(O_i, alpha); };  // O_i *= alpha
-    forward_schedule<NWG, STAGES, d == 128>(wg, n_blocks, S, O_i, full, empty, [](int) {}, issue_S, issue_PV, softmax,
-                                            to_P, rescale);
+    auto ready_PV = [&](int n) {
+      if (split_KV) mbar_wait(V_full(n % STAGES), n / STAGES % 2);
+    };
+    auto release_K = [&](int n) {
+      if (split_KV && threadIdx.x % 32 == 0) mbar_arrive(K_empty(n % STAGES));  // this warp's S_ij has read K_j
+    };
+    forward_schedule<NWG, STAGES, d == 128>(wg, n_blocks, S, O_i, K_full, V_empty, ready_PV, release_K, issue_S,
+                                            issue_PV, softmax, to_P, rescale);
     // l.12-15, O_i / l_i through shared memory: into this warpgroup's rows of Q_i's panels (only its own products
     // read them, and they are done), then by TMA, which writes whole 128-byte rows where write_O_L's stores write
     // 16 bytes into each of 8 rows. A tile that runs past its sequence in a packed batch would overwrite the next
@@ -3253,8 +3279,8 @@ flash_fwd_hopper_fp8(const __grid_constant__ CUtensorMap Q_map, const __grid_con
       if (!V_TRANSPOSED) mbar_wait(transposed(n % STAGES), n / STAGES % 2);
     };
     mbar_wait(Q_full, 0);
-    forward_schedule<NWG, STAGES, true>(wg, n_blocks, S, O_i, full, empty, transposed_V, issue_S, issue_PV, softmax,
-                                        to_P, [&] { rescale_O<d>(O_i, alpha); });
+    forward_schedule<NWG, STAGES, true>(wg, n_blocks, S, O_i, full, empty, transposed_V, [](int) {}, issue_S, issue_PV,
+                                        softmax, to_P, [&] { rescale_O<d>(O_i, alpha); });
     const float s_V_last = s_V[j0 + n_blocks - 1], m_out[2] = {m_i[0] - 8.f, m_i[1] - 8.f};  // (l_i's 2^8 out of L)
     rescale_O<d>(O_i, {s_V_last, s_V_last});
     write_O_L<T, d>(O_i, m_out, l_i, O.head(), L + mask.row_index(), r, t, mask.N_q);  // l.12-15
@@ -3539,7 +3565,7 @@ void fwd_hopper(const at::Tensor& Q, const at::Tensor& K, const at::Tensor& V, a
     if (short_masked_rows(sc)) return fwd_hopper<T, d, 2>(Q, K, V, O, L, sc, stream);
   // Q_i and STAGES stages of K_j, V_j (each row 64 elements per panel), the mbarriers, and 1 KB of slack to align
   // the tiles to 1024 bytes
-  const size_t smem = (B_r + 2 * STAGES * B_c) * 128 * panels(d) + 8 * (1 + 2 * STAGES) + 1024;
+  const size_t smem = (B_r + 2 * STAGES * B_c) * 128 * panels(d) + 8 * (1 + 4 * STAGES) + 1024;  // (4: split_KV)
   launch(flash_fwd_hopper<T, d, NWG, B_c, STAGES>, grid((N_q + B_r - 1) / B_r, Q, sc), 128 * (NWG + 1), smem, stream,
          tensor_map(Q, B_r), tensor_map(K, B_c), tensor_map(V, B_c), tensor_map(O, 64), rows<T>(O, sc.mask.cu_q),
          ptr<float>(L), sc, group(Q, K));
