@@ -2161,9 +2161,9 @@ __device__ void to_A_fragments(uint32_t (&A)[n / 16][4], const float (&S)[n / 8]
 // products the other's softmax has the CUDA cores, and the tensor cores always have work. The kernel gives its
 // stages' mbarriers full(s), complete when S_in may read block n's stage, and empty(s), on which each warp arrives
 // once P_in V_n has read it; and the steps: ready_PV(n) waits until P_in V_n may read the stage (beyond full);
-// release_K(n) tells that S_in has read it, before empty (the hopper kernel at 2 stages gives K_j mbarriers of its
-// own, so that K_j+2 loads while P_in V_n still runs); issue_S(n) and issue_PV(n) issue and commit the products;
-// softmax(n) is l.9 for block n; to_P() makes P_in's fragments from S; rescale() is O_i *= alpha.
+// release_K(n) tells that S_in has read it, before empty (the hopper kernel's split_KV); issue_S(n) and issue_PV(n)
+// issue and commit the products; softmax(n) is l.9 for block n; to_P() makes P_in's fragments from S; rescale() is
+// O_i *= alpha.
 // ptxas schedules instructions within a basic block, and there it hoists the wait for O_i above the softmax, on
 // which it does not depend: then a consumer's softmax never overlaps its own P_in V_n. softmax_first ends the block
 // after the softmax with a second look at block n+1's mbarrier (complete since issue_S(n + 1), so the spin loop
@@ -2377,11 +2377,9 @@ flash_fwd_hopper(const __grid_constant__ CUtensorMap Q_map, const __grid_constan
     };
     mbar_wait(Q_full, 0);
     auto rescale = [&] { rescale_O<d, tau>(O_i, alpha); };  // O_i *= alpha
-    auto ready_PV = [&](int n) {
-      if (split_KV) mbar_wait(V_full(n % STAGES), n / STAGES % 2);
-    };
-    auto release_K = [&](int n) {
-      if (split_KV && threadIdx.x % 32 == 0) mbar_arrive(K_empty(n % STAGES));  // this warp's S_ij has read K_j
+    auto ready_PV = [&](int n) { if (split_KV) mbar_wait(V_full(n % STAGES), n / STAGES % 2); };
+    auto release_K = [&](int n) {  // this warp's S_ij has read K_j
+      if (split_KV && threadIdx.x % 32 == 0) mbar_arrive(K_empty(n % STAGES));
     };
     forward_schedule<NWG, STAGES, d == 128>(wg, n_blocks, S, O_i, K_full, V_empty, ready_PV, release_K, issue_S,
                                             issue_PV, softmax, to_P, rescale);
