@@ -2161,15 +2161,17 @@ __device__ void to_A_fragments(uint32_t (&A)[n / 16][4], const float (&S)[n / 8]
 // products the other's softmax has the CUDA cores, and the tensor cores always have work. The kernel gives its
 // stages' mbarriers full(s), complete when S_in may read block n's stage, and empty(s), on which each warp arrives
 // once P_in V_n has read it; and the steps: ready_PV(n) waits until P_in V_n may read the stage (beyond full);
-// release_K(n) tells that S_in has read it, before empty (the hopper kernel's split_KV); issue_S(n) and issue_PV(n)
-// issue and commit the products; softmax(n) is l.9 for block n; to_P() makes P_in's fragments from S; rescale() is
-// O_i *= alpha.
+// release_K(n) tells that S_in has read it, before empty (split_KV); issue_S(n) and issue_PV(n) issue and commit the
+// products; softmax(n) is l.9 for block n; to_P() makes P_in's fragments from S; rescale() is O_i *= alpha.
 // ptxas schedules instructions within a basic block, and there it hoists the wait for O_i above the softmax, on
 // which it does not depend: then a consumer's softmax never overlaps its own P_in V_n. softmax_first ends the block
 // after the softmax with a second look at block n+1's mbarrier (complete since issue_S(n + 1), so the spin loop
 // returns at once), which keeps the softmax first. Measured on an H100 against the hoisted wait (notebook 08): 1.02x
 // at d = 128, 0.98x at d = 96, 1.00x at d = 256, 0.99x at d = 64, and in the fp8 kernel 1.03-1.07x with V_j^T made in
-// the kernel (0.98-1.01x with V^T from flash_quantize): so at d = 128 and in the fp8 kernel.
+// the kernel (0.98-1.01x with V^T from flash_quantize): so at d = 128 and in the fp8 kernel. There release_K comes
+// after the second look: released before it, K_j's stage could be refilled by then (in the fp8 kernel, whose V_j
+// does not hold the producer back), its mbarrier a phase further, and the look would wait for a block that cannot
+// load until this consumer goes on: a deadlock (notebook 08, section 5).
 template <int NWG, int STAGES, bool softmax_first = false, typename S_tiles, int O_tiles>
 __device__ void forward_schedule(int wg, int n_blocks, S_tiles& S, float (&O_i)[O_tiles][4], auto full,
                                  auto empty, auto ready_PV, auto release_K, auto issue_S, auto issue_PV, auto softmax,
@@ -2196,9 +2198,9 @@ __device__ void forward_schedule(int wg, int n_blocks, S_tiles& S, float (&O_i)[
     issue_PV(n);
     next_turn();
     wgmma_wait<1>(S);  // S_i,n+1 is done; P_in V_n may still be running
-    release_K(n + 1);
+    if (!softmax_first) release_K(n + 1);
     softmax(n + 1);
-    if (softmax_first) landed(n + 1);  // (complete already: see above)
+    if (softmax_first) landed(n + 1), release_K(n + 1);  // (complete already: see above)
     wgmma_wait<0>(O_i);
     __syncwarp();
     if (threadIdx.x % 32 == 0) mbar_arrive(empty(n % STAGES));  // this warp has finished reading block n's stage
@@ -3143,6 +3145,9 @@ __device__ void pair_maxima(float (&M)[1][4], const uint32_t (&S)[tiles][2]) {
 //   lands; V_TRANSPOSED = false), or already transposed by flash_quantize (V_TRANSPOSED).
 // - O_i accumulates P_ij V_hat_j, V's scale left out: rescaling O_i by alpha s_V,j / s_V,j+1 before block j+1 keeps
 //   O_i in units of the last block's s_V, applied once at the end.
+// - At 2 stages (d = 256, V_j^T made here) a stage's three tiles are freed apart, as the hopper kernel's split_KV
+//   frees K_j and V_j: K_j+2 loads once every S_ij has read K_j (K_empty), V_j+2 once V_j is transposed, and the
+//   transpose of V_j+2 waits until P_ij V_j has read V_j^T (empty).
 // The fp8 kernel's shared memory, for the kernel and its launcher (fwd_8bit): Q_i, then STAGES stages of K_j, V_j as
 // stored (not with V_TRANSPOSED) and V_j^T, then the mbarriers, the tiles in panels of 128-byte rows (two at d = 256)
 // aligned to 1024 bytes.
@@ -3151,7 +3156,7 @@ struct Fp8Tiles {
   static constexpr int B_r = 64 * NWG, B_c = 128, row_panels = panels(d / 2);  // (panels() counts 16-bit values)
   static constexpr uint32_t Q_panel = B_r * 128, tile_panel = B_c * 128, tile_bytes = row_panels * tile_panel,
                             Vt_bytes = d * 128, stage_bytes = (V_TRANSPOSED ? 1 : 2) * tile_bytes + Vt_bytes;
-  static constexpr size_t bytes = row_panels * Q_panel + STAGES * stage_bytes + 8 * (1 + 3 * STAGES) + 1024;
+  static constexpr size_t bytes = row_panels * Q_panel + STAGES * stage_bytes + 8 * (1 + 5 * STAGES) + 1024;
 };
 
 template <typename T, int d, int NWG, int STAGES, bool V_TRANSPOSED>
@@ -3171,10 +3176,15 @@ flash_fwd_hopper_fp8(const __grid_constant__ CUtensorMap Q_map, const __grid_con
   auto K_s = [&](int s) { return Q_s + row_panels * Q_panel + s * stage_bytes; };  // K_j in stage s (B_c, d bytes)
   auto V_s = [&](int s) { return K_s(s) + tile_bytes; };  // V_j as stored (B_c, d bytes; not with V_TRANSPOSED)
   auto Vt_s = [&](int s) { return V_s(s) + (V_TRANSPOSED ? 0 : tile_bytes); };  // V_j^T (d, B_c bytes)
-  const uint32_t Q_full = K_s(STAGES);  // then the mbarriers
+  // then the mbarriers of each stage: full (K_j, and V_j unless split_KV, have landed), empty (every P_ij V_j has
+  // read it), transposed (V_j^T is written); with split_KV also K_empty (every S_ij has read K_j) and V_full
+  const uint32_t Q_full = K_s(STAGES);
   auto full = [&](int s) { return Q_full + 8 * (1 + s); };
   auto empty = [&](int s) { return Q_full + 8 * (1 + STAGES + s); };
   auto transposed = [&](int s) { return Q_full + 8 * (1 + 2 * STAGES + s); };
+  constexpr bool split_KV = STAGES == 2 && !V_TRANSPOSED;
+  auto K_empty = [&](int s) { return split_KV ? Q_full + 8 * (1 + 3 * STAGES + s) : empty(s); };
+  auto V_full = [&](int s) { return split_KV ? Q_full + 8 * (1 + 4 * STAGES + s) : full(s); };
   const int wg = threadIdx.x / 128, i = gridDim.x - 1 - blockIdx.x, row0 = i * B_r, h_kv = blockIdx.y / group;
   const Mask mask = sc.mask;
   const int2 blocks = mask.key_blocks(row0, B_r, B_c);
@@ -3184,7 +3194,10 @@ flash_fwd_hopper_fp8(const __grid_constant__ CUtensorMap Q_map, const __grid_con
 
   if (threadIdx.x == 0) {
     mbar_init(Q_full, 1);
-    for (int s = 0; s < STAGES; s++) mbar_init(full(s), 1), mbar_init(empty(s), 4 * NWG), mbar_init(transposed(s), 3);
+    for (int s = 0; s < STAGES; s++) {
+      mbar_init(full(s), 1), mbar_init(empty(s), 4 * NWG), mbar_init(transposed(s), 3);
+      if (split_KV) mbar_init(K_empty(s), 4 * NWG), mbar_init(V_full(s), 1);
+    }
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");  // initialised before TMA signals them
   }
   __syncthreads();  // no thread waits on a barrier before it is initialised
@@ -3197,18 +3210,24 @@ flash_fwd_hopper_fp8(const __grid_constant__ CUtensorMap Q_map, const __grid_con
       for (int p = 0; p < row_panels; p++) tma_load(Q_s + p * Q_panel, Q_map, 128 * p, seq, row0, blockIdx.y, Q_full);
       for (int n = 0; n < n_blocks; n++) {                                         // l.7: load K_j, V_j
         const int s = n % STAGES, j = j0 + n;
-        if (n >= STAGES) mbar_wait(empty(s), (n / STAGES - 1) % 2);  // block j - STAGES is out of stage s
-        mbar_arrive_expect_bytes(full(s), tile_bytes + (V_TRANSPOSED ? Vt_bytes : tile_bytes));
-        for (int p = 0; p < row_panels; p++) {
+        if (n >= STAGES) mbar_wait(K_empty(s), (n / STAGES - 1) % 2);  // block j - STAGES is out of stage s (its K)
+        mbar_arrive_expect_bytes(full(s), tile_bytes + (split_KV ? 0 : V_TRANSPOSED ? Vt_bytes : tile_bytes));
+        for (int p = 0; p < row_panels; p++)
           tma_load(K_s(s) + p * tile_panel, K_map, 128 * p, seq, j * B_c, h_kv, full(s));
-          if (!V_TRANSPOSED) tma_load(V_s(s) + p * tile_panel, V_map, 128 * p, seq, j * B_c, h_kv, full(s));
+        if (split_KV) {
+          if (n >= STAGES) mbar_wait(transposed(s), (n / STAGES - 1) % 2);  // and its V is transposed
+          mbar_arrive_expect_bytes(V_full(s), tile_bytes);
         }
+        if (!V_TRANSPOSED)
+          for (int p = 0; p < row_panels; p++)
+            tma_load(V_s(s) + p * tile_panel, V_map, 128 * p, seq, j * B_c, h_kv, V_full(s));
         if (V_TRANSPOSED) tma_load(Vt_s(s), V_map, j * B_c, seq, 0, h_kv, full(s));  // (d, B_c) at key j B_c
       }
     } else if (!V_TRANSPOSED && threadIdx.x >= 32) {
       for (int n = 0; n < n_blocks; n++) {
         const int s = n % STAGES;
-        mbar_wait(full(s), n / STAGES % 2);  // V_j has landed (and block j - STAGES is out of V_j^T's buffer)
+        mbar_wait(V_full(s), n / STAGES % 2);  // V_j has landed (without split_KV: and V_j^T's buffer is free)
+        if (split_KV && n >= STAGES) mbar_wait(empty(s), (n / STAGES - 1) % 2);  // block j - STAGES's P V is done
         transpose_V<d>(V_s(s), Vt_s(s), threadIdx.x / 32 - 1, 3);
         asm volatile("fence.proxy.async.shared::cta;" ::: "memory");  // the stores are visible to wgmma
         __syncwarp();
@@ -3276,8 +3295,11 @@ flash_fwd_hopper_fp8(const __grid_constant__ CUtensorMap Q_map, const __grid_con
     auto transposed_V = [&](int n) {  // V_j^T of block n is written (by the producer, !V_TRANSPOSED)
       if (!V_TRANSPOSED) mbar_wait(transposed(n % STAGES), n / STAGES % 2);
     };
+    auto release_K = [&](int n) {  // this warp's S_ij has read K_j
+      if (split_KV && threadIdx.x % 32 == 0) mbar_arrive(K_empty(n % STAGES));
+    };
     mbar_wait(Q_full, 0);
-    forward_schedule<NWG, STAGES, true>(wg, n_blocks, S, O_i, full, empty, transposed_V, [](int) {}, issue_S, issue_PV,
+    forward_schedule<NWG, STAGES, true>(wg, n_blocks, S, O_i, full, empty, transposed_V, release_K, issue_S, issue_PV,
                                         softmax, to_P, [&] { rescale_O<d>(O_i, alpha); });
     const float s_V_last = s_V[j0 + n_blocks - 1], m_out[2] = {m_i[0] - 8.f, m_i[1] - 8.f};  // (l_i's 2^8 out of L)
     rescale_O<d>(O_i, {s_V_last, s_V_last});

@@ -7,6 +7,9 @@ layout (V^T's key order, a fragment, a scale) gives errors of order 1. quantize(
 reference.quantize_blocks value for value, V's transposed layout byte for byte.
 """
 import math
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -126,6 +129,37 @@ def test_against_float64(dtype, shape, causal, rotate):
         assert o.shape == q.shape and o.dtype == q.dtype
         err = rmse(o, exact)
         assert err < bound, f"transpose_v={transpose_v}: rmse {err:.2e}, the quantization's own {bound:.2e}"
+
+
+fp8 = pytest.mark.skipif(not _available(torch.float8_e4m3fn), reason="no GPU for fp8 (sm_90)")
+
+
+@fp8
+@pytest.mark.parametrize("d", [128, 256])
+def test_many_launches(d):
+    """The benchmark's shape (1024 thread blocks of 8 key blocks each): right against float64, and then launched
+    600 times in a child process with a time limit. Freeing K_j's stage a step early once let a consumer wait on an
+    mbarrier for a phase that could only come after that consumer went on: at d = 256 about one launch in 30 hung
+    (flash.cu, forward_schedule's release_K), where tests of a few launches passed."""
+    torch.manual_seed(d)
+    q, k, v = (torch.randn(16, 8, 1024, d, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+    exact = reference.attention(q.double(), k.double(), v.double(), False)
+    emulated = reference.attention_8bit(q.double(), k.double(), v.double(), torch.float8_e4m3fn, False, d ** -0.5)
+    bound = 1.5 * rmse(emulated, exact) + 1e-3
+    for transpose_v in (False, True):
+        err = rmse(main.flash_attention_8bit(q, k, v, transpose_v=transpose_v), exact)
+        assert err < bound, f"transpose_v={transpose_v}: rmse {err:.2e}, the quantization's own {bound:.2e}"
+    script = (f"import sys, torch; sys.path.insert(0, {str(Path(main.__file__).parent)!r}); import main\n"
+              f"q, k, v = (torch.randn(16, 8, 1024, {d}, device='cuda', dtype=torch.bfloat16) for _ in range(3))\n"
+              "for transpose_v in (False, True):\n"
+              "    x = main.quantize(q, k, v, transpose_v=transpose_v)\n"
+              "    for _ in range(300): main.flash_attention_8bit(x)\n"
+              "torch.cuda.synchronize()\n")
+    try:
+        child = subprocess.run([sys.executable, "-c", script], timeout=60, capture_output=True, text=True)
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"d = {d}: 600 launches did not finish in 60 s (a deadlock)")
+    assert child.returncode == 0, child.stderr[-2000:]
 
 
 @cuda
