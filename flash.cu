@@ -3215,13 +3215,14 @@ flash_fwd_hopper_fp8(const __grid_constant__ CUtensorMap Q_map, const __grid_con
         for (int p = 0; p < row_panels; p++)
           tma_load(K_s(s) + p * tile_panel, K_map, 128 * p, seq, j * B_c, h_kv, full(s));
         if (split_KV) {
-          if (n >= STAGES) mbar_wait(transposed(s), (n / STAGES - 1) % 2);  // and its V is transposed
+          if (n >= STAGES) mbar_wait(transposed(s), (n / STAGES - 1) % 2);  // and its V_j has been transposed
           mbar_arrive_expect_bytes(V_full(s), tile_bytes);
         }
-        if (!V_TRANSPOSED)
+        if (V_TRANSPOSED)
+          tma_load(Vt_s(s), V_map, j * B_c, seq, 0, h_kv, full(s));  // (d, B_c) at key j B_c
+        else
           for (int p = 0; p < row_panels; p++)
             tma_load(V_s(s) + p * tile_panel, V_map, 128 * p, seq, j * B_c, h_kv, V_full(s));
-        if (V_TRANSPOSED) tma_load(Vt_s(s), V_map, j * B_c, seq, 0, h_kv, full(s));  // (d, B_c) at key j B_c
       }
     } else if (!V_TRANSPOSED && threadIdx.x >= 32) {
       for (int n = 0; n < n_blocks; n++) {
