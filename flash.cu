@@ -2160,9 +2160,10 @@ __device__ void to_A_fragments(uint32_t (&A)[n / 16][4], const float (&S)[n / 8]
 // The consumers take turns to issue (named barrier c is consumer c's turn), so that while one waits for its
 // products the other's softmax has the CUDA cores, and the tensor cores always have work. The kernel gives its
 // stages' mbarriers full(s), complete when S_in may read block n's stage, and empty(s), on which each warp arrives
-// once P_in V_n has read it; and the steps: ready_PV(n) waits until P_in V_n may read the stage (beyond full);
-// release_K(n) tells that S_in has read it, before empty (split_KV); issue_S(n) and issue_PV(n) issue and commit the
-// products; softmax(n) is l.9 for block n; to_P() makes P_in's fragments from S; rescale() is O_i *= alpha.
+// once P_in V_n has read it; with split_KV also K_empty(s), on which each warp arrives once S_in has read K_j, so
+// that K_j's half of the stage refills before empty; and the steps: ready_PV(n) waits until P_in V_n may read the
+// stage (beyond full); issue_S(n) and issue_PV(n) issue and commit the products; softmax(n) is l.9 for block n;
+// to_P() makes P_in's fragments from S; rescale() is O_i *= alpha.
 // ptxas schedules instructions within a basic block, and there it hoists the wait for O_i above the softmax, on
 // which it does not depend: then a consumer's softmax never overlaps its own P_in V_n. softmax_first ends the block
 // after the softmax with a second look at block n+1's mbarrier (complete since issue_S(n + 1), so the spin loop
@@ -2172,13 +2173,16 @@ __device__ void to_A_fragments(uint32_t (&A)[n / 16][4], const float (&S)[n / 8]
 // after the second look: released before it, K_j's stage could be refilled by then (in the fp8 kernel, whose V_j
 // does not hold the producer back), its mbarrier a phase further, and the look would wait for a block that cannot
 // load until this consumer goes on: a deadlock (notebook 08, section 5).
-template <int NWG, int STAGES, bool softmax_first = false, typename S_tiles, int O_tiles>
+template <int NWG, int STAGES, bool softmax_first, bool split_KV, typename S_tiles, int O_tiles>
 __device__ void forward_schedule(int wg, int n_blocks, S_tiles& S, float (&O_i)[O_tiles][4], auto full,
-                                 auto empty, auto ready_PV, auto release_K, auto issue_S, auto issue_PV, auto softmax,
+                                 auto empty, auto K_empty, auto ready_PV, auto issue_S, auto issue_PV, auto softmax,
                                  auto to_P, auto rescale) {
   auto my_turn = [&] { asm volatile("bar.sync %0, %1;" ::"r"(wg), "n"(256) : "memory"); };
   auto next_turn = [&] { asm volatile("bar.arrive %0, %1;" ::"r"(wg % NWG + 1), "n"(256) : "memory"); };
   auto landed = [&](int n) { mbar_wait(full(n % STAGES), n / STAGES % 2); };  // K_j (V_j: ready_PV) of block n
+  auto release_K = [&](int n) {  // this warp's S_in has read K_j
+    if (split_KV && threadIdx.x % 32 == 0) mbar_arrive(K_empty(n % STAGES));
+  };
   if (wg == NWG) next_turn();  // consumer 1 goes first
   landed(0);
   my_turn();
@@ -2380,11 +2384,8 @@ flash_fwd_hopper(const __grid_constant__ CUtensorMap Q_map, const __grid_constan
     mbar_wait(Q_full, 0);
     auto rescale = [&] { rescale_O<d, tau>(O_i, alpha); };  // O_i *= alpha
     auto ready_PV = [&](int n) { if (split_KV) mbar_wait(V_full(n % STAGES), n / STAGES % 2); };
-    auto release_K = [&](int n) {  // this warp's S_ij has read K_j
-      if (split_KV && threadIdx.x % 32 == 0) mbar_arrive(K_empty(n % STAGES));
-    };
-    forward_schedule<NWG, STAGES, d == 128>(wg, n_blocks, S, O_i, K_full, V_empty, ready_PV, release_K, issue_S,
-                                            issue_PV, softmax, to_P, rescale);
+    forward_schedule<NWG, STAGES, d == 128, split_KV>(wg, n_blocks, S, O_i, K_full, V_empty, K_empty, ready_PV,
+                                                      issue_S, issue_PV, softmax, to_P, rescale);
     // l.12-15, O_i / l_i through shared memory: into this warpgroup's rows of Q_i's panels (only its own products
     // read them, and they are done), then by TMA, which writes whole 128-byte rows where write_O_L's stores write
     // 16 bytes into each of 8 rows. A tile that runs past its sequence in a packed batch would overwrite the next
@@ -3296,12 +3297,9 @@ flash_fwd_hopper_fp8(const __grid_constant__ CUtensorMap Q_map, const __grid_con
     auto transposed_V = [&](int n) {  // V_j^T of block n is written (by the producer, !V_TRANSPOSED)
       if (!V_TRANSPOSED) mbar_wait(transposed(n % STAGES), n / STAGES % 2);
     };
-    auto release_K = [&](int n) {  // this warp's S_ij has read K_j
-      if (split_KV && threadIdx.x % 32 == 0) mbar_arrive(K_empty(n % STAGES));
-    };
     mbar_wait(Q_full, 0);
-    forward_schedule<NWG, STAGES, true>(wg, n_blocks, S, O_i, full, empty, transposed_V, release_K, issue_S, issue_PV,
-                                        softmax, to_P, [&] { rescale_O<d>(O_i, alpha); });
+    forward_schedule<NWG, STAGES, true, split_KV>(wg, n_blocks, S, O_i, full, empty, K_empty, transposed_V, issue_S,
+                                                  issue_PV, softmax, to_P, [&] { rescale_O<d>(O_i, alpha); });
     const float s_V_last = s_V[j0 + n_blocks - 1], m_out[2] = {m_i[0] - 8.f, m_i[1] - 8.f};  // (l_i's 2^8 out of L)
     rescale_O<d>(O_i, {s_V_last, s_V_last});
     write_O_L<T, d>(O_i, m_out, l_i, O.head(), L + mask.row_index(), r, t, mask.N_q);  // l.12-15
