@@ -3150,21 +3150,23 @@ __device__ void pair_maxima(float (&M)[1][4], const uint32_t (&S)[tiles][2]) {
 //   frees K_j and V_j: K_j+2 loads once every S_ij has read K_j (K_empty), V_j+2 once V_j is transposed, and the
 //   transpose of V_j+2 waits until P_ij V_j has read V_j^T (empty).
 // The fp8 kernel's shared memory, for the kernel and its launcher (fwd_8bit): Q_i, then STAGES stages of K_j, V_j as
-// stored (not with V_TRANSPOSED) and V_j^T, then the mbarriers, the tiles in panels of 128-byte rows (two at d = 256)
-// aligned to 1024 bytes.
+// stored (not with V_TRANSPOSED) and V_j^T, then up to d = 128 an O_i tile (B_r, d) of 16-bit values in panels of 64
+// columns (O_staged), then the mbarriers; the tiles in panels of 128-byte rows aligned to 1024 bytes.
 template <int d, int NWG, int STAGES, bool V_TRANSPOSED>
 struct Fp8Tiles {
   static constexpr int B_r = 64 * NWG, B_c = 128, row_panels = panels(d / 2);  // (panels() counts 16-bit values)
+  static constexpr bool O_staged = d <= 128;  // (at d = 256 the stages leave no room for its 64 KB)
   static constexpr uint32_t Q_panel = B_r * 128, tile_panel = B_c * 128, tile_bytes = row_panels * tile_panel,
-                            Vt_bytes = d * 128, stage_bytes = (V_TRANSPOSED ? 1 : 2) * tile_bytes + Vt_bytes;
-  static constexpr size_t bytes = row_panels * Q_panel + STAGES * stage_bytes + 8 * (1 + 5 * STAGES) + 1024;
+                            Vt_bytes = d * 128, stage_bytes = (V_TRANSPOSED ? 1 : 2) * tile_bytes + Vt_bytes,
+                            O_bytes = O_staged ? panels(d) * Q_panel : 0;
+  static constexpr size_t bytes = row_panels * Q_panel + STAGES * stage_bytes + O_bytes + 8 * (1 + 5 * STAGES) + 1024;
 };
 
 template <typename T, int d, int NWG, int STAGES, bool V_TRANSPOSED>
 __global__ void __launch_bounds__(128 * (NWG + 1), 1)
 flash_fwd_hopper_fp8(const __grid_constant__ CUtensorMap Q_map, const __grid_constant__ CUtensorMap K_map,
-                     const __grid_constant__ CUtensorMap V_map, Rows<T> O, float* __restrict__ L, Scores sc, int group,
-                     Scales scales) {
+                     const __grid_constant__ CUtensorMap V_map, const __grid_constant__ CUtensorMap O_map, Rows<T> O,
+                     float* __restrict__ L, Scores sc, int group, Scales scales) {
 #if SM90A
   using Tiles = Fp8Tiles<d, NWG, STAGES, V_TRANSPOSED>;
   constexpr int B_r = Tiles::B_r, B_c = Tiles::B_c, row_panels = Tiles::row_panels;
@@ -3177,9 +3179,10 @@ flash_fwd_hopper_fp8(const __grid_constant__ CUtensorMap Q_map, const __grid_con
   auto K_s = [&](int s) { return Q_s + row_panels * Q_panel + s * stage_bytes; };  // K_j in stage s (B_c, d bytes)
   auto V_s = [&](int s) { return K_s(s) + tile_bytes; };  // V_j as stored (B_c, d bytes; not with V_TRANSPOSED)
   auto Vt_s = [&](int s) { return V_s(s) + (V_TRANSPOSED ? 0 : tile_bytes); };  // V_j^T (d, B_c bytes)
+  const uint32_t O_s = K_s(STAGES);  // the O_i tile (B_r, d 16-bit values), if O_staged
   // then the mbarriers of each stage: full (K_j, and V_j unless split_KV, have landed), empty (every P_ij V_j has
   // read it), transposed (V_j^T is written); with split_KV also K_empty (every S_ij has read K_j) and V_full
-  const uint32_t Q_full = K_s(STAGES);
+  const uint32_t Q_full = O_s + Tiles::O_bytes;
   auto full = [&](int s) { return Q_full + 8 * (1 + s); };
   auto empty = [&](int s) { return Q_full + 8 * (1 + STAGES + s); };
   auto transposed = [&](int s) { return Q_full + 8 * (1 + 2 * STAGES + s); };
@@ -3300,9 +3303,20 @@ flash_fwd_hopper_fp8(const __grid_constant__ CUtensorMap Q_map, const __grid_con
     mbar_wait(Q_full, 0);
     forward_schedule<NWG, STAGES, true, split_KV>(wg, n_blocks, S, O_i, full, empty, K_empty, transposed_V, issue_S,
                                                   issue_PV, softmax, to_P, [&] { rescale_O<d>(O_i, alpha); });
-    const float s_V_last = s_V[j0 + n_blocks - 1], m_out[2] = {m_i[0] - 8.f, m_i[1] - 8.f};  // (l_i's 2^8 out of L)
-    rescale_O<d>(O_i, {s_V_last, s_V_last});
-    write_O_L<T, d>(O_i, m_out, l_i, O.head(), L + mask.row_index(), r, t, mask.N_q);  // l.12-15
+    // l.12-15: O_i s_V,j / l_i (O_i is in units of the last block's s_V,j) and L_i, l_i's 2^8 taken out. Where the
+    // tile fits, through this warpgroup's rows of it and TMA, as the hopper kernel writes O_i; else write_O_L.
+    const float s_V_last = s_V[j0 + n_blocks - 1], m_out[2] = {m_i[0] - 8.f, m_i[1] - 8.f};
+    if constexpr (Tiles::O_staged) {
+      const float2 f = finish_rows(m_out, l_i, L + mask.row_index(), r, t, mask.N_q, 1.f);
+      const uint32_t O_wg = O_s + 64 * (wg - 1) * 128;
+      store_panels<T, d>(O_wg, Q_panel, O_i, 16 * warp + g, 0, g, t, {f.x * s_V_last, f.y * s_V_last});
+      // (barrier NWG + wg: this warpgroup's own; 1 .. NWG are forward_schedule's turns)
+      tma_store_tiles({O_wg}, {&O_map}, panels(d), Q_panel, Sequence(nullptr), row0 + 64 * (wg - 1), blockIdx.y,
+                      NWG + wg, 128, threadIdx.x % 128 == 0);
+    } else {
+      rescale_O<d>(O_i, {s_V_last, s_V_last});
+      write_O_L<T, d>(O_i, m_out, l_i, O.head(), L + mask.row_index(), r, t, mask.N_q);
+    }
   }
 #endif
 }
@@ -3877,10 +3891,10 @@ std::vector<at::Tensor> quantize(const at::Tensor& X, const std::optional<at::Te
 }
 
 #if defined(BUILD_hopper_fp8)
-// 3 stages of K_j, V_j and V_j^T (48 KB each at d = 128, 32 KB with V_TRANSPOSED, which has no V_j as stored) and
-// Q_i: 169 KB (121 KB). (4 stages, measured no faster on an H100 with two consumers: 1.11-1.26x the hopper fp16
-// kernel with 3, 1.12-1.24x with 4, d = 128, N = 4096 and 16384.) At d = 256 a stage takes 96 KB (64 KB with
-// V_TRANSPOSED) and Q_i 32 KB: 2 stages fit (3).
+// 3 stages of K_j, V_j and V_j^T (48 KB each at d = 128, 32 KB with V_TRANSPOSED, which has no V_j as stored), Q_i
+// and the O_i tile: 217 KB (169 KB). (4 stages, measured no faster on an H100 with two consumers: 1.11-1.26x the
+// hopper fp16 kernel with 3, 1.12-1.24x with 4, d = 128, N = 4096 and 16384, before the O_i tile.) At d = 256 a stage
+// takes 96 KB (64 KB with V_TRANSPOSED) and Q_i 32 KB: 2 stages fit (3), and no O_i tile (Fp8Tiles::O_staged).
 // Three consumers: at d = 64, where O_i's 32 registers always left a third one room, 1.13-1.31x two on an H200 (bf16,
 // N = 4096 and 16384, causal and not); at d = 128 since S_ij is summed in fp16 (notebook 11, section 7). Two on
 // short masked rows, as the hopper kernel (short_masked_rows), and at d = 256, where O_i takes 128 registers.
@@ -3894,7 +3908,7 @@ void fwd_8bit(const at::Tensor& Q, const at::Tensor& K, const at::Tensor& V, at:
     if (short_masked_rows(sc)) return fwd_8bit<T, V_TRANSPOSED, STAGES, 2>(Q, K, V, O, L, sc, scales, stream);
   launch(flash_fwd_hopper_fp8<T, d, NWG, STAGES, V_TRANSPOSED>, grid((sc.mask.N_q + B_r - 1) / B_r, Q, sc),
          128 * (NWG + 1), Tiles::bytes, stream, tensor_map(Q, B_r), tensor_map(K, B_c),
-         tensor_map(V, V_TRANSPOSED ? d : B_c), rows<T>(O), ptr<float>(L), sc, group(Q, K), scales);
+         tensor_map(V, V_TRANSPOSED ? d : B_c), tensor_map(O, 64), rows<T>(O), ptr<float>(L), sc, group(Q, K), scales);
 }
 #else
 // The ampere kernel's tiles, with int8 Q_i and K_j, but B_c = 64 at d = 64 too (128 keys: 36 bytes of spills, and
