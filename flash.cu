@@ -2564,6 +2564,70 @@ __device__ void bwd_hopper_dQ(const BwdTiles<T, d, B_c, STAGES>& tiles, int i, i
   }
 }
 
+// l.11 and l.14 for query block i on the CUDA cores, by a consumer warpgroup of the hopper backward, in place: S_ij^T
+// becomes P_ij^T = exp(S_ij - L_i), dP_ij^T becomes dS_ij^T = P_ij o (dP_ij - D_i). Three groups are in flight: S^T,
+// dP^T and the previous dV, dK. The consumer's queries start at q0 of the block and its keys at key0; the lane's
+// entry (nt, e) is key c + 8(e / 2) and query q(nt, e). A softcap or ALiBi takes Scores' steps once dP^T is there
+// (its derivative needs S_ij).
+template <typename T, int d, int B_c, int STAGES, int n_tiles>
+__device__ void bwd_hopper_P_and_dS(const BwdTiles<T, d, B_c, STAGES>& tiles, int i, float (&S)[n_tiles][4],
+                                    float (&dP)[n_tiles][4], const Scores& sc, const Mask& mask, int col0, int key0,
+                                    int q0, int c, int t, float scale_log2, float slope) {
+  constexpr int B_r = BwdTiles<T, d, B_c, STAGES>::B_r, NQ = 8 * n_tiles;  // NQ: the consumer's queries
+  const int N_q = mask.N_q;
+  const int row0 = i * B_r + q0;  // this consumer's first query
+  const float* L_i = reinterpret_cast<const float*>(__cvta_shared_to_generic(tiles.LD(tiles.stage(i)))) + q0;
+  const float* D_i = L_i + B_r;
+  auto q = [&](int nt, int e) { return 8 * nt + 2 * t + e % 2; };  // the query, from row0
+  // dropout (the first paper's Algorithm 4): with Z_ij = s keep_ij, s = 1 / (1 - p), dS_ij = s P_ij o (dP_ij o
+  // keep_ij - D_i / s): dropped entries are zeroed by masking their bits, D_i / s comes from copy_L_D, and s is
+  // left to the stores. The bits are drawn while the tensor cores compute S^T and dP^T; keep[n]: nt = 2n, 2n + 1.
+  uint32_t keep[NQ / 16][2];
+  if (DROPOUT)
+#pragma unroll
+    for (int n = 0; n < NQ / 16; n++) sc.dropout.keep_bits_transposed(keep[n], row0 + q(2 * n, 0), c);
+  // x, or 0 where dropped: bit 4 (e / 2) + 2 (nt % 2) moved to bit 31 and spread over the word
+  auto drop = [&](float& x, int nt, int e) {
+    x = __int_as_float(__float_as_int(x) & int(keep[nt / 2][e % 2] << (31 - 4 * (e / 2) - 2 * (nt % 2))) >> 31);
+  };
+  wgmma_wait<2>(S);
+  if (sc.plain()) {
+    for (int nt = 0; nt < NQ / 8; nt++)
+      for (int e = 0; e < 4; e++) S[nt][e] = exp2_ftz(S[nt][e] * scale_log2 - L_i[q(nt, e)]);
+    if (mask.any(row0, NQ, col0 + key0, 64) | (row0 + NQ > N_q)) {  // zero what the mask hides: keys c and
+      const int first[2] = {mask.first_query(c), mask.first_query(c + 8)};  // c + 8 are seen by queries
+      const int last[2] = {mask.last_query(c), mask.last_query(c + 8)};     // first .. last (< N_q)
+      for (int nt = 0; nt < NQ / 8; nt++)
+        for (int e = 0; e < 4; e++)
+          if ((row0 + q(nt, e) < first[e / 2]) | (row0 + q(nt, e) > last[e / 2])) S[nt][e] = 0.f;
+    }
+  }
+  wgmma_wait<1>(dP);
+  auto each_entry = [&](auto step) {  // step(nt, e) on every entry, between dropout's zeroing of dP and of P
+#pragma unroll  // (S and dP are indexed by nt and e: a loop left rolled would put them in local memory)
+    for (int nt = 0; nt < NQ / 8; nt++)
+#pragma unroll
+      for (int e = 0; e < 4; e++) {
+        if (DROPOUT) drop(dP[nt][e], nt, e);
+        step(nt, e);
+        if (DROPOUT) drop(S[nt][e], nt, e);
+      }
+  };
+  // (sc.plain() is tested outside the loops: inside them, it cut the unrolled loop into one branch per tile
+  // nt, each waiting for its own load of D_i; hoisted, the backward ran 1.06-1.12x faster at d = 64, N >= 4096,
+  // on an H100)
+  if (sc.plain()) {
+    each_entry([&](int nt, int e) { dP[nt][e] = S[nt][e] * (dP[nt][e] - D_i[q(nt, e)]); });
+  } else {
+    each_entry([&](int nt, int e) {
+      const int r = row0 + q(nt, e);
+      sc.probability_and_gradient(S[nt][e], r, c + 8 * (e / 2), slope, L_i[q(nt, e)], dP[nt][e] - D_i[q(nt, e)],
+                                  S[nt][e], dP[nt][e]);
+      if (r >= N_q) S[nt][e] = dP[nt][e] = 0.f;
+    });
+  }
+}
+
 // fp16/bf16 backward on Hopper (sm_90a): FlashAttention-2's Algorithm 2 with the forward's producer
 // warpgroup and mbarrier stages, and the Ampere backward's transposed products.
 // Grid (T_c, H_q, B): one block per key block K_j, V_j of one query head (dK_j, dV_j per query head: the host
@@ -2703,62 +2767,8 @@ flash_bwd_hopper(const __grid_constant__ CUtensorMap Q_map, const __grid_constan
     auto release = [&](int i) {  // every consumer thread has finished reading block i's stage (L_i and D_i
       mbar_arrive(tiles.empty(tiles.stage(i)));  // included: each thread arrives after its own reads)
     };
-    // l.11 and l.14 for block i on the CUDA cores, in place: S_ij^T becomes P_ij^T = exp(S_ij - L_i), dP_ij^T
-    // becomes dS_ij^T = P_ij o (dP_ij - D_i). Three groups are in flight: S^T, dP^T and the previous dV, dK.
-    // Entry (nt, e) is key c + 8(e / 2) and query q(nt, e); a softcap or ALiBi takes Scores' steps once dP^T
-    // is there (its derivative needs S_ij).
-    auto P_and_dS = [&](int i) {
-      const int row0 = i * B_r + q0;  // this consumer's first query
-      const float* L_i = reinterpret_cast<const float*>(__cvta_shared_to_generic(tiles.LD(tiles.stage(i)))) + q0;
-      const float* D_i = L_i + B_r;
-      auto q = [&](int nt, int e) { return 8 * nt + 2 * t + e % 2; };  // the query, from row0
-      // dropout (the first paper's Algorithm 4): with Z_ij = s keep_ij, s = 1 / (1 - p), dS_ij = s P_ij o (dP_ij o
-      // keep_ij - D_i / s): dropped entries are zeroed by masking their bits, D_i / s comes from copy_L_D, and s is
-      // left to the stores. The bits are drawn while the tensor cores compute S^T and dP^T; keep[n]: nt = 2n, 2n + 1.
-      uint32_t keep[NQ / 16][2];
-      if (DROPOUT)
-#pragma unroll
-        for (int n = 0; n < NQ / 16; n++) sc.dropout.keep_bits_transposed(keep[n], row0 + q(2 * n, 0), c);
-      // x, or 0 where dropped: bit 4 (e / 2) + 2 (nt % 2) moved to bit 31 and spread over the word
-      auto drop = [&](float& x, int nt, int e) {
-        x = __int_as_float(__float_as_int(x) & int(keep[nt / 2][e % 2] << (31 - 4 * (e / 2) - 2 * (nt % 2))) >> 31);
-      };
-      wgmma_wait<2>(S);
-      if (sc.plain()) {
-        for (int nt = 0; nt < NQ / 8; nt++)
-          for (int e = 0; e < 4; e++) S[nt][e] = exp2_ftz(S[nt][e] * scale_log2 - L_i[q(nt, e)]);
-        if (mask.any(row0, NQ, col0 + key0, 64) | (row0 + NQ > N_q)) {  // zero what the mask hides: keys c and
-          const int first[2] = {mask.first_query(c), mask.first_query(c + 8)};  // c + 8 are seen by queries
-          const int last[2] = {mask.last_query(c), mask.last_query(c + 8)};     // first .. last (< N_q)
-          for (int nt = 0; nt < NQ / 8; nt++)
-            for (int e = 0; e < 4; e++)
-              if ((row0 + q(nt, e) < first[e / 2]) | (row0 + q(nt, e) > last[e / 2])) S[nt][e] = 0.f;
-        }
-      }
-      wgmma_wait<1>(dP);
-      auto each_entry = [&](auto step) {  // step(nt, e) on every entry, between dropout's zeroing of dP and of P
-#pragma unroll  // (S and dP are indexed by nt and e: a loop left rolled would put them in local memory)
-        for (int nt = 0; nt < NQ / 8; nt++)
-#pragma unroll
-          for (int e = 0; e < 4; e++) {
-            if (DROPOUT) drop(dP[nt][e], nt, e);
-            step(nt, e);
-            if (DROPOUT) drop(S[nt][e], nt, e);
-          }
-      };
-      // (sc.plain() is tested outside the loops: inside them, it cut the unrolled loop into one branch per tile
-      // nt, each waiting for its own load of D_i; hoisted, the backward ran 1.06-1.12x faster at d = 64, N >= 4096,
-      // on an H100)
-      if (sc.plain()) {
-        each_entry([&](int nt, int e) { dP[nt][e] = S[nt][e] * (dP[nt][e] - D_i[q(nt, e)]); });
-      } else {
-        each_entry([&](int nt, int e) {
-          const int r = row0 + q(nt, e);
-          sc.probability_and_gradient(S[nt][e], r, c + 8 * (e / 2), slope, L_i[q(nt, e)], dP[nt][e] - D_i[q(nt, e)],
-                                      S[nt][e], dP[nt][e]);
-          if (r >= N_q) S[nt][e] = dP[nt][e] = 0.f;
-        });
-      }
+    auto P_and_dS = [&](int i) {  // l.11, l.14 (bwd_hopper_P_and_dS)
+      bwd_hopper_P_and_dS(tiles, i, S, dP, sc, mask, col0, key0, q0, c, t, scale_log2, slope);
     };
     // P_ij^T and dS_ij^T into buffer i % 2 (last read by block i-2's products, done on both consumers), or into
     // the A fragments (block i-1's products, which read them, are done), then dQ_i's piece once they are there
