@@ -2537,6 +2537,12 @@ template <typename T, int d, int B_c, int STAGES>
 __device__ void bwd_hopper_dQ(const BwdTiles<T, d, B_c, STAGES>& tiles, int i, int wg, int row, int g, int t,
                               float dS_scale, float* dQ, const Mask& mask) {
   constexpr int B_r = BwdTiles<T, d, B_c, STAGES>::B_r, DQ = d / 2 > 96 ? d / 4 : d / 2;
+  // (atomics: the lane's two rows of dQ from its first column, made once, so that every address is one of these plus
+  // a constant: made anew in each pass, they waited until the atomics of the pass before had read them)
+  float* dQ_row[2] = {};
+  if constexpr (!dQ_staged(d))
+    for (int h = 0; h < 2; h++)
+      dQ_row[h] = dQ + (mask.row_index() + i * B_r + row + 8 * h) * d + (wg - 1) * d / 2 + 2 * t;
   for (int pass = 0; pass < d / 2 / DQ; pass++) {
     const int c0 = (wg - 1) * d / 2 + pass * DQ;
     float dQ_i[DQ / 8][4];
@@ -2552,14 +2558,10 @@ __device__ void bwd_hopper_dQ(const BwdTiles<T, d, B_c, STAGES>& tiles, int i, i
       asm volatile("fence.proxy.async.shared::cta;" ::: "memory");  // the stores are visible to TMA
       asm volatile("bar.arrive 2, 288;" ::: "memory");
     } else {
-      float* dQ_h = dQ + mask.row_index() * d;  // (this head's rows)
-      for (int h = 0; h < 2; h++) {
-        const int r = i * B_r + row + 8 * h;  // dQ_i's rows are queries
-        if (r < mask.N_q)
+      for (int h = 0; h < 2; h++)
+        if (i * B_r + row + 8 * h < mask.N_q)  // (dQ_i's rows are queries)
           for (int nt = 0; nt < DQ / 8; nt++)
-            atomic_add_pair(&dQ_h[(size_t)r * d + c0 + 8 * nt + 2 * t], dS_scale * dQ_i[nt][2 * h],
-                            dS_scale * dQ_i[nt][2 * h + 1]);
-      }
+            atomic_add_pair(dQ_row[h] + pass * DQ + 8 * nt, dS_scale * dQ_i[nt][2 * h], dS_scale * dQ_i[nt][2 * h + 1]);
     }
   }
 }
