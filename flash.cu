@@ -2680,7 +2680,7 @@ flash_bwd_hopper(const __grid_constant__ CUtensorMap Q_map, const __grid_constan
   constexpr int NQ = split_keys ? B_r : B_r / 2;    // queries of S_ij^T, dP_ij^T per consumer
   constexpr int ND = split_keys ? d : d / 2;        // columns of dV_j, dK_j per consumer
   const Mask mask = sc.mask = sc.mask.sequence();
-  const int wg = threadIdx.x / 128, j = blockIdx.x, col0 = j * B_c, N_q = mask.N_q, N_k = mask.N_k;
+  const int wg = threadIdx.x / 128, j = blockIdx.x, col0 = j * B_c, N_k = mask.N_k;
   if (col0 >= N_k) return;  // (a packed batch: past this sequence's keys)
   // (L, D and dQ move to this head's rows where they are used, by warp 1 and at d = 256 by the consumers: a
   // pointer held from here on was spilled at d = 256)
