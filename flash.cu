@@ -2573,9 +2573,10 @@ __device__ void bwd_hopper_dQ(const BwdTiles<T, d, B_c, STAGES>& tiles, int i, i
 // (its derivative needs S_ij).
 template <typename T, int d, int B_c, int STAGES, int n_tiles>
 __device__ void bwd_hopper_P_and_dS(const BwdTiles<T, d, B_c, STAGES>& tiles, int i, float (&S)[n_tiles][4],
-                                    float (&dP)[n_tiles][4], const Scores& sc, const Mask& mask, int col0, int key0,
-                                    int q0, int c, int t, float scale_log2, float slope) {
+                                    float (&dP)[n_tiles][4], const Scores& sc, int col0, int key0, int q0, int c, int t,
+                                    float scale_log2, float slope) {
   constexpr int B_r = BwdTiles<T, d, B_c, STAGES>::B_r, NQ = 8 * n_tiles;  // NQ: the consumer's queries
+  const Mask& mask = sc.mask;  // (the sequence's: see the kernel)
   const int N_q = mask.N_q;
   const int row0 = i * B_r + q0;  // this consumer's first query
   const float* L_i = reinterpret_cast<const float*>(__cvta_shared_to_generic(tiles.LD(tiles.stage(i)))) + q0;
@@ -2770,7 +2771,7 @@ flash_bwd_hopper(const __grid_constant__ CUtensorMap Q_map, const __grid_constan
       mbar_arrive(tiles.empty(tiles.stage(i)));  // included: each thread arrives after its own reads)
     };
     auto P_and_dS = [&](int i) {  // l.11, l.14 (bwd_hopper_P_and_dS)
-      bwd_hopper_P_and_dS(tiles, i, S, dP, sc, mask, col0, key0, q0, c, t, scale_log2, slope);
+      bwd_hopper_P_and_dS(tiles, i, S, dP, sc, col0, key0, q0, c, t, scale_log2, slope);
     };
     // P_ij^T and dS_ij^T into buffer i % 2 (last read by block i-2's products, done on both consumers), or into
     // the A fragments (block i-1's products, which read them, are done), then dQ_i's piece once they are there
