@@ -179,11 +179,12 @@ def load(kernel, d=64, packed=False, dropout=False, deterministic=False):
     return _extensions[key]
 
 
-def build(kernels, head_dims=(64,), packed_head_dims=()):
+def build(kernels, head_dims=(64,), packed_head_dims=(), variants=()):
     """Builds several kernels at once, at each tile width in head_dims that they have (one nvcc process each, as
-    many at once as there are cores)."""
+    many at once as there are cores). variants: more builds, as load's arguments (kernel, d, packed, dropout,
+    deterministic)."""
     jobs = [(k, d, packed) for packed, dims in ((False, head_dims), (True, packed_head_dims))
-            for k in kernels for d in dims if d in KERNELS[k]["head_dims"]]
+            for k in kernels for d in dims if d in KERNELS[k]["head_dims"]] + list(variants)
     with ThreadPoolExecutor(max(1, min(len(jobs), os.cpu_count() or 1))) as pool:
         list(pool.map(lambda job: load(*job), jobs))
 
@@ -887,10 +888,19 @@ def _check_gpu():
     import reference
     print(f"GPU: {torch.cuda.get_device_name()} (sm_{_arch()}), torch {torch.__version__}, CUDA {torch.version.cuda}")
     names = [kn["name"] for kn in list_kernels() if kn["available"]]
+    # and the other builds the tests use, so that they compile here, all at once, and not one by one in the tests:
+    # dropout (at 64 and 128; ampere also at 256), the deterministic backward with and without dropout, packed
+    # batches with dropout, and the 8-bit kernels
+    backward = [n for n in names if KERNELS[n]["backward_kernel"] == n]
+    fp8, int8 = _arch() == 90 and _builds_sm90a(), _arch() >= 80
+    eight_bit = [EIGHT_BIT[torch.float8_e4m3fn]] * fp8 + [EIGHT_BIT[torch.int8]] * int8
+    variants = ([(n, d, False, True) for n in names for d in (64, 128)] + [("ampere", 256, False, True)] * int8
+                + [(n, 64, False, p, True) for n in backward for p in (False, True)]
+                + [(n, 64, True, True) for n in backward] + [(n, d) for n in eight_bit for d in EIGHT_BIT_HEAD_DIMS])
     t0 = time.time()
-    print(f"Building (or loading) {', '.join(names)} at every tile width (and for packed batches at 64, 128)...",
-          flush=True)
-    build(names, sorted({d for kn in KERNELS.values() for d in kn["head_dims"]}), (64, 128))  # (the tests use them)
+    print(f"Building (or loading) {', '.join(names)} at every tile width, for packed batches at 64 and 128, and "
+          f"{len(variants)} builds more that the tests use (dropout, deterministic, 8-bit)...", flush=True)
+    build(names, sorted({d for kn in KERNELS.values() for d in kn["head_dims"]}), (64, 128), variants)
     print(f"ready in {time.time() - t0:.1f} s")
     torch.backends.cuda.matmul.allow_tf32 = False
     # PyTorch warns when autograd's own thread makes the first cuBLAS call; it sets the context itself.
