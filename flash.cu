@@ -3162,18 +3162,78 @@ __device__ void pair_maxima(float (&M)[1][4], const uint32_t (&S)[tiles][2]) {
 // - At 2 stages (d = 256, V_j^T made here) a stage's three tiles are freed apart, as the hopper kernel's split_KV
 //   frees K_j and V_j: K_j+2 loads once every S_ij has read K_j (K_empty), V_j+2 once V_j is transposed, and the
 //   transpose of V_j+2 waits until P_ij V_j has read V_j^T (empty).
-// The fp8 kernel's shared memory, for the kernel and its launcher (fwd_8bit): Q_i, then STAGES stages of K_j, V_j as
-// stored (not with V_TRANSPOSED) and V_j^T, then up to d = 128 an O_i tile (B_r, d) of 16-bit values in panels of 64
-// columns (O_staged), then the mbarriers; the tiles in panels of 128-byte rows aligned to 1024 bytes.
+// The fp8 kernel's shared memory, for the kernel, its producer and its launcher (fwd_8bit): Q_i, then STAGES stages
+// of K_j, V_j as stored (not with V_TRANSPOSED) and V_j^T, then up to d = 128 an O_i tile (B_r, d) of 16-bit values in
+// panels of 64 columns (O_staged), then the mbarriers; the tiles in panels of 128-byte rows aligned to 1024 bytes.
+// The mbarriers of each stage: full (K_j, and V_j unless split_KV, have landed), empty (every P_ij V_j has read it),
+// transposed (V_j^T is written); with split_KV also K_empty (every S_ij has read K_j) and V_full.
 template <int d, int NWG, int STAGES, bool V_TRANSPOSED>
 struct Fp8Tiles {
   static constexpr int B_r = 64 * NWG, B_c = 128, row_panels = panels(d / 2);  // (panels() counts 16-bit values)
   static constexpr bool O_staged = d <= 128;  // (at d = 256 the stages leave no room for its 64 KB)
+  static constexpr bool split_KV = STAGES == 2 && !V_TRANSPOSED;
   static constexpr uint32_t Q_panel = B_r * 128, tile_panel = B_c * 128, tile_bytes = row_panels * tile_panel,
                             Vt_bytes = d * 128, stage_bytes = (V_TRANSPOSED ? 1 : 2) * tile_bytes + Vt_bytes,
                             O_bytes = O_staged ? panels(d) * Q_panel : 0;
   static constexpr size_t bytes = row_panels * Q_panel + STAGES * stage_bytes + O_bytes + 8 * (1 + 5 * STAGES) + 1024;
+  static constexpr int producer_regs = V_TRANSPOSED ? 24 : 40;  // registers a thread (40: the transpose's)
+  uint32_t Q;                                                    // Q_i (B_r, d bytes)
+  __device__ uint32_t K(int s) const { return Q + row_panels * Q_panel + s * stage_bytes; }  // K_j in stage s (B_c, d)
+  __device__ uint32_t V(int s) const { return K(s) + tile_bytes; }  // V_j as stored (not with V_TRANSPOSED)
+  __device__ uint32_t Vt(int s) const { return V(s) + (V_TRANSPOSED ? 0 : tile_bytes); }  // V_j^T (d, B_c bytes)
+  __device__ uint32_t O() const { return K(STAGES); }  // the O_i tile (B_r, d 16-bit values), if O_staged
+  __device__ uint32_t Q_full() const { return O() + O_bytes; }
+  __device__ uint32_t full(int s) const { return Q_full() + 8 * (1 + s); }
+  __device__ uint32_t empty(int s) const { return Q_full() + 8 * (1 + STAGES + s); }
+  __device__ uint32_t transposed(int s) const { return Q_full() + 8 * (1 + 2 * STAGES + s); }
+  __device__ uint32_t K_empty(int s) const { return split_KV ? Q_full() + 8 * (1 + 3 * STAGES + s) : empty(s); }
+  __device__ uint32_t V_full(int s) const { return split_KV ? Q_full() + 8 * (1 + 4 * STAGES + s) : full(s); }
 };
+
+// The fp8 kernel's producer warpgroup, for key blocks j0 .. j0 + n_blocks - 1: thread 0 loads Q_i, then K_j and V_j
+// (V_j^T with V_TRANSPOSED) into the stages by TMA; without V_TRANSPOSED warps 1-3 transpose each V_j as it lands.
+template <int d, int NWG, int STAGES, bool V_TRANSPOSED>
+__device__ void fp8_producer(const Fp8Tiles<d, NWG, STAGES, V_TRANSPOSED>& tiles, const CUtensorMap& Q_map,
+                             const CUtensorMap& K_map, const CUtensorMap& V_map, int row0, int h_kv, int j0,
+                             int n_blocks) {
+  using Tiles = Fp8Tiles<d, NWG, STAGES, V_TRANSPOSED>;
+  constexpr int row_panels = Tiles::row_panels;
+  constexpr bool split_KV = Tiles::split_KV;
+  asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;" ::"n"(Tiles::producer_regs));
+  const Sequence seq(nullptr);
+  if (threadIdx.x == 0) {
+    mbar_arrive_expect_bytes(tiles.Q_full(), row_panels * Tiles::Q_panel);          // l.4: load Q_i
+    for (int p = 0; p < row_panels; p++)
+      tma_load(tiles.Q + p * Tiles::Q_panel, Q_map, 128 * p, seq, row0, blockIdx.y, tiles.Q_full());
+    for (int n = 0; n < n_blocks; n++) {                                           // l.7: load K_j, V_j
+      const int s = n % STAGES, j = j0 + n;
+      if (n >= STAGES) mbar_wait(tiles.K_empty(s), (n / STAGES - 1) % 2);  // block j - STAGES is out of stage s (its K)
+      mbar_arrive_expect_bytes(tiles.full(s),
+                               Tiles::tile_bytes + (split_KV ? 0 : V_TRANSPOSED ? Tiles::Vt_bytes : Tiles::tile_bytes));
+      for (int p = 0; p < row_panels; p++)
+        tma_load(tiles.K(s) + p * Tiles::tile_panel, K_map, 128 * p, seq, j * Tiles::B_c, h_kv, tiles.full(s));
+      if (split_KV) {
+        if (n >= STAGES) mbar_wait(tiles.transposed(s), (n / STAGES - 1) % 2);  // and its V_j has been transposed
+        mbar_arrive_expect_bytes(tiles.V_full(s), Tiles::tile_bytes);
+      }
+      if (V_TRANSPOSED)
+        tma_load(tiles.Vt(s), V_map, j * Tiles::B_c, seq, 0, h_kv, tiles.full(s));  // (d, B_c) at key j B_c
+      else
+        for (int p = 0; p < row_panels; p++)
+          tma_load(tiles.V(s) + p * Tiles::tile_panel, V_map, 128 * p, seq, j * Tiles::B_c, h_kv, tiles.V_full(s));
+    }
+  } else if (!V_TRANSPOSED && threadIdx.x >= 32) {
+    for (int n = 0; n < n_blocks; n++) {
+      const int s = n % STAGES;
+      mbar_wait(tiles.V_full(s), n / STAGES % 2);  // V_j has landed (without split_KV: and V_j^T's buffer is free)
+      if (split_KV && n >= STAGES) mbar_wait(tiles.empty(s), (n / STAGES - 1) % 2);  // block j - STAGES's P V is done
+      transpose_V<d>(tiles.V(s), tiles.Vt(s), threadIdx.x / 32 - 1, 3);
+      asm volatile("fence.proxy.async.shared::cta;" ::: "memory");  // the stores are visible to wgmma
+      __syncwarp();
+      if (threadIdx.x % 32 == 0) mbar_arrive(tiles.transposed(s));
+    }
+  }
+}
 
 template <typename T, int d, int NWG, int STAGES, bool V_TRANSPOSED>
 __global__ void __launch_bounds__(128 * (NWG + 1), 1)
@@ -3182,26 +3242,12 @@ flash_fwd_hopper_fp8(const __grid_constant__ CUtensorMap Q_map, const __grid_con
                      float* __restrict__ L, Scores sc, int group, Scales scales) {
 #if SM90A
   using Tiles = Fp8Tiles<d, NWG, STAGES, V_TRANSPOSED>;
-  constexpr int B_r = Tiles::B_r, B_c = Tiles::B_c, row_panels = Tiles::row_panels;
-  constexpr int producer_regs = V_TRANSPOSED ? 24 : 40;                       // (40: the transpose's)
-  constexpr int consumer_regs = (65536 / 128 - producer_regs) / NWG / 8 * 8;  // NWG = 3: 160 (152); 2: 240 (232)
-  constexpr uint32_t Q_panel = Tiles::Q_panel, tile_panel = Tiles::tile_panel, tile_bytes = Tiles::tile_bytes;
-  constexpr uint32_t Vt_bytes = Tiles::Vt_bytes, stage_bytes = Tiles::stage_bytes;
+  constexpr int B_r = Tiles::B_r, B_c = Tiles::B_c;
+  constexpr int consumer_regs = (65536 / 128 - Tiles::producer_regs) / NWG / 8 * 8;  // NWG = 3: 160 (152); 2: 240 (232)
+  constexpr uint32_t Q_panel = Tiles::Q_panel, tile_panel = Tiles::tile_panel;
+  constexpr bool split_KV = Tiles::split_KV;
   extern __shared__ unsigned char smem_raw[];
-  const uint32_t Q_s = (smem_addr(smem_raw) + 1023) & ~1023u;  // Q_i (B_r, d bytes)
-  auto K_s = [&](int s) { return Q_s + row_panels * Q_panel + s * stage_bytes; };  // K_j in stage s (B_c, d bytes)
-  auto V_s = [&](int s) { return K_s(s) + tile_bytes; };  // V_j as stored (B_c, d bytes; not with V_TRANSPOSED)
-  auto Vt_s = [&](int s) { return V_s(s) + (V_TRANSPOSED ? 0 : tile_bytes); };  // V_j^T (d, B_c bytes)
-  const uint32_t O_s = K_s(STAGES);  // the O_i tile (B_r, d 16-bit values), if O_staged
-  // then the mbarriers of each stage: full (K_j, and V_j unless split_KV, have landed), empty (every P_ij V_j has
-  // read it), transposed (V_j^T is written); with split_KV also K_empty (every S_ij has read K_j) and V_full
-  const uint32_t Q_full = O_s + Tiles::O_bytes;
-  auto full = [&](int s) { return Q_full + 8 * (1 + s); };
-  auto empty = [&](int s) { return Q_full + 8 * (1 + STAGES + s); };
-  auto transposed = [&](int s) { return Q_full + 8 * (1 + 2 * STAGES + s); };
-  constexpr bool split_KV = STAGES == 2 && !V_TRANSPOSED;
-  auto K_empty = [&](int s) { return split_KV ? Q_full + 8 * (1 + 3 * STAGES + s) : empty(s); };
-  auto V_full = [&](int s) { return split_KV ? Q_full + 8 * (1 + 4 * STAGES + s) : full(s); };
+  const Tiles tiles{(smem_addr(smem_raw) + 1023) & ~1023u};
   const int wg = threadIdx.x / 128, i = gridDim.x - 1 - blockIdx.x, row0 = i * B_r, h_kv = blockIdx.y / group;
   const Mask mask = sc.mask;
   const int2 blocks = mask.key_blocks(row0, B_r, B_c);
@@ -3210,53 +3256,22 @@ flash_fwd_hopper_fp8(const __grid_constant__ CUtensorMap Q_map, const __grid_con
   const float* s_V = scales.v + (blockIdx.z * gridDim.y / group + h_kv) * scales.T_k;
 
   if (threadIdx.x == 0) {
-    mbar_init(Q_full, 1);
+    mbar_init(tiles.Q_full(), 1);
     for (int s = 0; s < STAGES; s++) {
-      mbar_init(full(s), 1), mbar_init(empty(s), 4 * NWG), mbar_init(transposed(s), 3);
-      if (split_KV) mbar_init(K_empty(s), 4 * NWG), mbar_init(V_full(s), 1);
+      mbar_init(tiles.full(s), 1), mbar_init(tiles.empty(s), 4 * NWG), mbar_init(tiles.transposed(s), 3);
+      if (split_KV) mbar_init(tiles.K_empty(s), 4 * NWG), mbar_init(tiles.V_full(s), 1);
     }
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");  // initialised before TMA signals them
   }
   __syncthreads();  // no thread waits on a barrier before it is initialised
 
   if (wg == 0) {  // producer: thread 0 loads, warps 1-3 transpose V_j
-    asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;" ::"n"(producer_regs));
-    const Sequence seq(nullptr);
-    if (threadIdx.x == 0) {
-      mbar_arrive_expect_bytes(Q_full, row_panels * Q_panel);                        // l.4: load Q_i
-      for (int p = 0; p < row_panels; p++) tma_load(Q_s + p * Q_panel, Q_map, 128 * p, seq, row0, blockIdx.y, Q_full);
-      for (int n = 0; n < n_blocks; n++) {                                         // l.7: load K_j, V_j
-        const int s = n % STAGES, j = j0 + n;
-        if (n >= STAGES) mbar_wait(K_empty(s), (n / STAGES - 1) % 2);  // block j - STAGES is out of stage s (its K)
-        mbar_arrive_expect_bytes(full(s), tile_bytes + (split_KV ? 0 : V_TRANSPOSED ? Vt_bytes : tile_bytes));
-        for (int p = 0; p < row_panels; p++)
-          tma_load(K_s(s) + p * tile_panel, K_map, 128 * p, seq, j * B_c, h_kv, full(s));
-        if (split_KV) {
-          if (n >= STAGES) mbar_wait(transposed(s), (n / STAGES - 1) % 2);  // and its V_j has been transposed
-          mbar_arrive_expect_bytes(V_full(s), tile_bytes);
-        }
-        if (V_TRANSPOSED)
-          tma_load(Vt_s(s), V_map, j * B_c, seq, 0, h_kv, full(s));  // (d, B_c) at key j B_c
-        else
-          for (int p = 0; p < row_panels; p++)
-            tma_load(V_s(s) + p * tile_panel, V_map, 128 * p, seq, j * B_c, h_kv, V_full(s));
-      }
-    } else if (!V_TRANSPOSED && threadIdx.x >= 32) {
-      for (int n = 0; n < n_blocks; n++) {
-        const int s = n % STAGES;
-        mbar_wait(V_full(s), n / STAGES % 2);  // V_j has landed (without split_KV: and V_j^T's buffer is free)
-        if (split_KV && n >= STAGES) mbar_wait(empty(s), (n / STAGES - 1) % 2);  // block j - STAGES's P V is done
-        transpose_V<d>(V_s(s), Vt_s(s), threadIdx.x / 32 - 1, 3);
-        asm volatile("fence.proxy.async.shared::cta;" ::: "memory");  // the stores are visible to wgmma
-        __syncwarp();
-        if (threadIdx.x % 32 == 0) mbar_arrive(transposed(s));
-      }
-    }
+    fp8_producer(tiles, Q_map, K_map, V_map, row0, h_kv, j0, n_blocks);
   } else {  // consumer warpgroup wg: rows 64(wg-1) .. 64wg-1 of the block
     asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;" ::"n"(consumer_regs));
     const int warp = threadIdx.x / 32 % 4, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
     const int r = row0 + 64 * (wg - 1) + 16 * warp + g;  // this lane's rows are r and r + 8
-    const uint32_t Q_wg = Q_s + 64 * (wg - 1) * 128;     // this warpgroup's 64 rows of Q_i
+    const uint32_t Q_wg = tiles.Q + 64 * (wg - 1) * 128;  // this warpgroup's 64 rows of Q_i
     const float s_Q = scales.q[head_index() * scales.T_q + min(r / QUANT_ROWS, scales.T_q - 1)];  // (rows past N_q)
     float O_i[d / 8][4] = {}, m_i[2] = {M_START, M_START}, l_i[2] = {0.f, 0.f};  // l.5
     uint32_t S[B_c / 8][2];  // S_ij in fp16 pairs (wgmma_fp8_ss)
@@ -3271,7 +3286,7 @@ flash_fwd_hopper_fp8(const __grid_constant__ CUtensorMap Q_map, const __grid_con
       for (int kk = 0; kk < d / 32; kk++) {
         const uint32_t panel = kk / 4, byte = 32 * (kk % 4);
         wgmma_fp8_ss(S, smem_desc(Q_wg + panel * Q_panel + byte, 0),
-                     smem_desc(K_s(n % STAGES) + panel * tile_panel + byte, 0), kk > 0);
+                     smem_desc(tiles.K(n % STAGES) + panel * tile_panel + byte, 0), kk > 0);
       }
       wgmma_commit();
     };
@@ -3307,21 +3322,23 @@ flash_fwd_hopper_fp8(const __grid_constant__ CUtensorMap Q_map, const __grid_con
         for (int h = 0; h < 4; h++) P[kk][h] = P_next[kk][h] + zero;
     };
     auto issue_PV = [&](int n) {  // O_i += P_ij V_j (l.10): B_c/32 wgmma, keys 32kk .. 32kk+31
-      for (int kk = 0; kk < B_c / 32; kk++) wgmma_fp8_rs<d>(O_i, P[kk], smem_desc(Vt_s(n % STAGES) + 32 * kk, 0));
+      for (int kk = 0; kk < B_c / 32; kk++) wgmma_fp8_rs<d>(O_i, P[kk], smem_desc(tiles.Vt(n % STAGES) + 32 * kk, 0));
       wgmma_commit();
     };
     auto transposed_V = [&](int n) {  // V_j^T of block n is written (by the producer, !V_TRANSPOSED)
-      if (!V_TRANSPOSED) mbar_wait(transposed(n % STAGES), n / STAGES % 2);
+      if (!V_TRANSPOSED) mbar_wait(tiles.transposed(n % STAGES), n / STAGES % 2);
     };
-    mbar_wait(Q_full, 0);
-    forward_schedule<NWG, STAGES, true, split_KV>(wg, n_blocks, S, O_i, full, empty, K_empty, transposed_V, issue_S,
-                                                  issue_PV, softmax, to_P, [&] { rescale_O<d>(O_i, alpha); });
+    mbar_wait(tiles.Q_full(), 0);
+    forward_schedule<NWG, STAGES, true, split_KV>(
+        wg, n_blocks, S, O_i, [&](int s) { return tiles.full(s); }, [&](int s) { return tiles.empty(s); },
+        [&](int s) { return tiles.K_empty(s); }, transposed_V, issue_S, issue_PV, softmax, to_P,
+        [&] { rescale_O<d>(O_i, alpha); });
     // l.12-15: O_i s_V,j / l_i (O_i is in units of the last block's s_V,j) and L_i, l_i's 2^8 taken out. Where the
     // tile fits, through this warpgroup's rows of it and TMA, as the hopper kernel writes O_i; else write_O_L.
     const float s_V_last = s_V[j0 + n_blocks - 1], m_out[2] = {m_i[0] - 8.f, m_i[1] - 8.f};
     if constexpr (Tiles::O_staged) {
       const float2 f = finish_rows(m_out, l_i, L + mask.row_index(), r, t, mask.N_q, 1.f);
-      const uint32_t O_wg = O_s + 64 * (wg - 1) * 128;
+      const uint32_t O_wg = tiles.O() + 64 * (wg - 1) * 128;
       store_panels<T, d>(O_wg, Q_panel, O_i, 16 * warp + g, 0, g, t, {f.x * s_V_last, f.y * s_V_last});
       // (barrier NWG + wg: this warpgroup's own; 1 .. NWG are forward_schedule's turns)
       tma_store_tiles({O_wg}, {&O_map}, panels(d), Q_panel, Sequence(nullptr), row0 + 64 * (wg - 1), blockIdx.y,
