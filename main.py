@@ -892,9 +892,10 @@ def _check_gpu():
     # dropout (at 64 and 128; ampere also at 256), the deterministic backward with and without dropout, packed
     # batches with dropout, and the 8-bit kernels
     backward = [n for n in names if KERNELS[n]["backward_kernel"] == n]
-    fp8, int8 = _arch() == 90 and _builds_sm90a(), _arch() >= 80
-    eight_bit = [EIGHT_BIT[torch.float8_e4m3fn]] * fp8 + [EIGHT_BIT[torch.int8]] * int8
-    variants = ([(n, d, False, True) for n in names for d in (64, 128)] + [("ampere", 256, False, True)] * int8
+    # (the 8-bit kernels run where their 16-bit kernels do: fp8 where hopper does, int8 where ampere does)
+    eight_bit = [EIGHT_BIT[t] for t, on in ((torch.float8_e4m3fn, "hopper"), (torch.int8, "ampere")) if on in names]
+    variants = ([(n, d, False, True) for n in names for d in (64, 128)]
+                + [("ampere", 256, False, True)] * ("ampere" in names)
                 + [(n, 64, False, p, True) for n in backward for p in (False, True)]
                 + [(n, 64, True, True) for n in backward] + [(n, d) for n in eight_bit for d in EIGHT_BIT_HEAD_DIMS])
     t0 = time.time()
