@@ -1426,6 +1426,79 @@ flash_fwd_ampere(Rows<const TQK> Q, Rows<const TQK> K, Rows<const T> V, Rows<T> 
     write_O_L<T, d>(O_i[m], m_i[m], l_i[m], O, L, r + 16 * m, t, N_q, sc.dropout.scale);  // l.12-15
 }
 
+// l.15 of the ampere backward, dQ_i += dS_ij K_j over the block's B_c keys, dS_ij^T (B_c, B_r) and K_j (B_c, d) in
+// shared memory: warp w computes queries 16(w % MT) .. +15, columns n0 + (w / MT) DC/CW .. + DC/CW of dQ_i, MT row
+// tiles by CW column groups, and adds them into dQ with atomics, times `scale` (this head's rows from row_index).
+// (warp, lane, g, t passed in, as bwd_hopper_dQ's.)
+template <typename T, int d, int B_r, int NW, int DC>
+__device__ void bwd_ampere_dQ(const T* dS_s, const T* K_s, float* dQ, size_t row_index, int row0, int n0, int N_q,
+                              float scale, int warp, int lane, int g, int t) {
+  constexpr int B_c = 16 * NW, ld = d + 8, ldS = B_r + 8;
+  constexpr int MT = B_r / 16, CW = NW / MT;
+  static_assert(DC / CW % 16 == 0, "each warp's columns of dQ_i are pairs of 8-column tiles");
+  const int m0 = 16 * (warp % MT), c0 = n0 + (warp / MT) * (DC / CW);
+  float dQ_i[DC / CW / 8][4] = {};
+#pragma unroll
+  for (int kk = 0; kk < B_c / 16; kk++) {
+    // A fragment of dS_ij (queries m0.., keys 16kk..) read transposed from dS_ij^T: lane l points at
+    // key 16kk + l%8 + 8*(l/16), query m0 + 8*((l/8)%2)
+    uint32_t a[4];
+    ldmatrix_x4_trans(a, &dS_s[(16 * kk + lane % 8 + 8 * (lane / 16)) * ldS + m0 + 8 * (lane / 8 % 2)]);
+#pragma unroll
+    for (int nt = 0; nt < DC / CW / 8; nt += 2) {  // B fragments of K_j: keys 16kk.., dims c0 + 8nt..
+      uint32_t b[4];
+      ldmatrix_x4_trans(b, &K_s[(16 * kk + lane % 8 + 8 * (lane / 8 % 2)) * ld + c0 + 8 * nt + 8 * (lane / 16)]);
+      mma_m16n8k16<T>(dQ_i[nt], a, b[0], b[1]), mma_m16n8k16<T>(dQ_i[nt + 1], a, b[2], b[3]);
+    }
+  }
+#pragma unroll
+  for (int h = 0; h < 2; h++) {
+    const int r = row0 + m0 + g + 8 * h;
+    if (r < N_q)
+#pragma unroll
+      for (int nt = 0; nt < DC / CW / 8; nt++)
+        atomic_add_pair(&dQ[(row_index + r) * d + c0 + 8 * nt + 2 * t], scale * dQ_i[nt][2 * h],
+                        scale * dQ_i[nt][2 * h + 1]);
+  }
+}
+
+// l.11 and l.14 of the ampere backward on the CUDA cores, in place: S_ij^T becomes P_ij^T = exp(S_ij - L_i), dP_ij^T
+// becomes dS_ij^T = P_ij o (dP_ij - D_i), for the lane's keys key, key + 8 and queries row0 + 8nt + 2t, + 1 of each
+// tile nt (L_i, D_i: the block's, in shared memory); with dropout, P_ij o Z_ij and dP_ij o Z_ij. edge: the block may
+// have entries to zero (masked, or rows past N_q).
+template <int B_r>
+__device__ void bwd_ampere_P_and_dS(float (&S)[B_r / 8][4], float (&dP)[B_r / 8][4], const float* L_i, const float* D_i,
+                                    const Scores& sc, int row0, int key, int t, bool edge, float scale_log2,
+                                    float slope) {
+  const Mask& mask = sc.mask;
+  const int N_q = mask.N_q;
+  uint32_t keep[2];  // dropout: of queries 8nt + 2t, + 1 (nt even, and nt + 1) with keys c, c + 8
+
+#pragma unroll
+  for (int nt = 0; nt < B_r / 8; nt++) {
+    const float2 L_r = *reinterpret_cast<const float2*>(&L_i[8 * nt + 2 * t]);  // queries 8nt + 2t, + 1
+    const float2 D_r = *reinterpret_cast<const float2*>(&D_i[8 * nt + 2 * t]);
+    if (DROPOUT && nt % 2 == 0) sc.dropout.keep_bits_transposed(keep, row0 + 8 * nt + 2 * t, key);
+#pragma unroll
+    for (int e = 0; e < 4; e++) {  // entry (key c, query r) of P^T and dS^T
+      const int c = key + 8 * (e / 2), r = row0 + 8 * nt + 2 * t + e % 2;
+      const float L_r_e = e % 2 ? L_r.y : L_r.x, D_r_e = e % 2 ? D_r.y : D_r.x;
+      // dropout: dV_j takes P_ij o Z_ij, and dS_ij takes dP_ij o Z_ij (the first paper's Algorithm 4)
+      const float Z = DROPOUT ? sc.dropout.Z(keep[e % 2], 4 * (e / 2) + 2 * (nt % 2)) : 1.f;
+      const float dP_Z = DROPOUT ? dP[nt][e] * Z : dP[nt][e];
+      if (sc.plain()) {
+        const bool seen = !edge || ((r < N_q) & !mask.hides(r, c));
+        S[nt][e] = seen ? exp2_ftz(S[nt][e] * scale_log2 - L_r_e * LOG2E) : 0.f;  // l.11: P_ij = exp(S_ij - L_i)
+        dP[nt][e] = S[nt][e] * (dP_Z - D_r_e);                                  // l.14: dS_ij = P o (dP - D_i)
+      } else {  // the same two lines through Scores' steps
+        sc.probability_and_gradient(S[nt][e], r, c, slope, L_r_e * LOG2E, dP_Z - D_r_e, S[nt][e], dP[nt][e]);
+        if (r >= N_q) S[nt][e] = dP[nt][e] = 0.f;
+      }
+      if (DROPOUT) S[nt][e] *= Z;
+    }
+  }
+}
+
 // ------------------------------------------------------------------------------------------------------
 // fp16/bf16 backward on Ampere tensor cores (sm_80+): FlashAttention-2, Algorithm 2.
 // Grid (T_c, H_q, B): one block per key block K_j, V_j of one query head (dK_j, dV_j per query head: the host
@@ -1450,8 +1523,6 @@ flash_bwd_ampere(Rows<const T> Q, Rows<const T> K, Rows<const T> V, Rows<const T
                  const float* __restrict__ D, float* __restrict__ dQ, Rows<T> dK, Rows<T> dV, Scores sc, int group,
                  float scale) {
   constexpr int B_c = 16 * NW, ld = d + 8, ldS = B_r + 8;
-  constexpr int MT = B_r / 16, CW = NW / MT;  // dQ_i: MT row tiles x CW column groups, one per warp
-  static_assert(DC / CW % 16 == 0, "each warp's columns of dQ_i are pairs of 8-column tiles");
   extern __shared__ __align__(16) unsigned char smem_raw[];
   T* K_s = reinterpret_cast<T*>(smem_raw);  // K_j               (B_c, d)      row stride ld
   T* V_s = K_s + B_c * ld;                  // V_j               (B_c, d)      row stride ld
@@ -1514,31 +1585,7 @@ flash_bwd_ampere(Rows<const T> Q, Rows<const T> K, Rows<const T> V, Rows<const T
       }
     }
     const bool edge = mask.any(row0, B_r, col0, B_c) | (row0 + B_r > N_q);  // any entry to zero?
-    uint32_t keep[2];  // dropout: of queries 8nt + 2t, + 1 (nt even, and nt + 1) with keys c, c + 8
-
-#pragma unroll
-    for (int nt = 0; nt < B_r / 8; nt++) {
-      const float2 L_r = *reinterpret_cast<const float2*>(&L_i[8 * nt + 2 * t]);  // queries 8nt + 2t, + 1
-      const float2 D_r = *reinterpret_cast<const float2*>(&D_i[8 * nt + 2 * t]);
-      if (DROPOUT && nt % 2 == 0) sc.dropout.keep_bits_transposed(keep, row0 + 8 * nt + 2 * t, col0 + 16 * warp + g);
-#pragma unroll
-      for (int e = 0; e < 4; e++) {  // entry (key c, query r) of P^T and dS^T
-        const int c = col0 + 16 * warp + g + 8 * (e / 2), r = row0 + 8 * nt + 2 * t + e % 2;
-        const float L_r_e = e % 2 ? L_r.y : L_r.x, D_r_e = e % 2 ? D_r.y : D_r.x;
-        // dropout: dV_j takes P_ij o Z_ij, and dS_ij takes dP_ij o Z_ij (the first paper's Algorithm 4)
-        const float Z = DROPOUT ? sc.dropout.Z(keep[e % 2], 4 * (e / 2) + 2 * (nt % 2)) : 1.f;
-        const float dP_Z = DROPOUT ? dP[nt][e] * Z : dP[nt][e];
-        if (sc.plain()) {
-          const bool seen = !edge || ((r < N_q) & !mask.hides(r, c));
-          S[nt][e] = seen ? exp2_ftz(S[nt][e] * scale_log2 - L_r_e * LOG2E) : 0.f;  // l.11: P_ij = exp(S_ij - L_i)
-          dP[nt][e] = S[nt][e] * (dP_Z - D_r_e);                                  // l.14: dS_ij = P o (dP - D_i)
-        } else {  // the same two lines through Scores' steps
-          sc.probability_and_gradient(S[nt][e], r, c, slope, L_r_e * LOG2E, dP_Z - D_r_e, S[nt][e], dP[nt][e]);
-          if (r >= N_q) S[nt][e] = dP[nt][e] = 0.f;
-        }
-        if (DROPOUT) S[nt][e] *= Z;
-      }
-    }
+    bwd_ampere_P_and_dS<B_r>(S, dP, L_i, D_i, sc, row0, col0 + 16 * warp + g, t, edge, scale_log2, slope);  // l.11, l.14
 #pragma unroll
     for (int kk = 0; kk < B_r / 16; kk++) {  // l.12: dV_j += P_ij^T dO_i;  l.16: dK_j += dS_ij^T Q_i
       uint32_t P_frag[4], dS_frag[4];  // queries 16kk .. 16kk+15 of P_ij^T and dS_ij^T as A fragments
@@ -1560,33 +1607,8 @@ flash_bwd_ampere(Rows<const T> Q, Rows<const T> K, Rows<const T> V, Rows<const T
     }
     __syncthreads();  // all of dS_ij^T is in shared memory: dQ_i needs every warp's keys
 
-    // l.15: dQ_i += dS_ij K_j. Warp w: queries 16*(w % MT) .. +15, dims n0 + (w / MT) * DC/CW .. + DC/CW.
-    if (!DETERMINISTIC) {  // (else dQ comes from flash_bwd_dq_ampere)
-      const int m0 = 16 * (warp % MT), c0 = n0 + (warp / MT) * (DC / CW);
-      float dQ_i[DC / CW / 8][4] = {};
-#pragma unroll
-      for (int kk = 0; kk < B_c / 16; kk++) {
-        // A fragment of dS_ij (queries m0.., keys 16kk..) read transposed from dS_ij^T: lane l points at
-        // key 16kk + l%8 + 8*(l/16), query m0 + 8*((l/8)%2)
-        uint32_t a[4];
-        ldmatrix_x4_trans(a, &dS_s[(16 * kk + lane % 8 + 8 * (lane / 16)) * ldS + m0 + 8 * (lane / 8 % 2)]);
-#pragma unroll
-        for (int nt = 0; nt < DC / CW / 8; nt += 2) {  // B fragments of K_j: keys 16kk.., dims c0 + 8nt..
-          uint32_t b[4];
-          ldmatrix_x4_trans(b, &K_s[(16 * kk + lane % 8 + 8 * (lane / 8 % 2)) * ld + c0 + 8 * nt + 8 * (lane / 16)]);
-          mma_m16n8k16<T>(dQ_i[nt], a, b[0], b[1]), mma_m16n8k16<T>(dQ_i[nt + 1], a, b[2], b[3]);
-        }
-      }
-#pragma unroll
-      for (int h = 0; h < 2; h++) {
-        const int r = row0 + m0 + g + 8 * h;
-        if (r < N_q)
-#pragma unroll
-          for (int nt = 0; nt < DC / CW / 8; nt++)
-            atomic_add_pair(&dQ[(mask.row_index() + r) * d + c0 + 8 * nt + 2 * t], scale * dQ_i[nt][2 * h],
-                            scale * dQ_i[nt][2 * h + 1]);
-      }
-    }
+    if (!DETERMINISTIC)  // l.15: dQ_i += dS_ij K_j (else dQ comes from flash_bwd_dq_ampere)
+      bwd_ampere_dQ<T, d, B_r, NW, DC>(dS_s, K_s, dQ, mask.row_index(), row0, n0, N_q, scale, warp, lane, g, t);
     __syncthreads();  // every warp is done with Q_s, dO_s stage and dS_s before the next block refills them
   }
   store_rows<T, DC>(dK.head().cols(n0), dK_j, col0 + 16 * warp + g, t, N_k, {scale, scale});  // l.18: write dK_j, dV_j
