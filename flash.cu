@@ -2458,6 +2458,10 @@ constexpr bool dQ_staged(int d) { return !DETERMINISTIC && d <= 192; }
 // Whether P_ij^T and dS_ij^T stay in registers as the A operands of dV_j and dK_j (else those products read them
 // from shared memory): up to d = 64, where dK_j and dV_j leave room for them (see the kernel).
 constexpr bool P_in_registers(int d) { return d <= 64; }
+// Whether K_j and V_j, the A operands of S_ij^T and dP_ij^T, are loaded into registers once (else those products read
+// them from shared memory): where P_ij^T is, but not with dropout, whose bits take those registers (beside them, 60
+// bytes spilled).
+constexpr bool KV_in_registers(int d) { return P_in_registers(d) && !DROPOUT; }
 
 // The hopper backward's shared memory, from `base` (1024-aligned, for the swizzled tiles): K_j and V_j (B_c, d);
 // STAGES stages of Q_i and dO_i (B_r, d); two buffers of dS_ij^T and, past d = 64, of P_ij^T (B_c, B_r), query block
@@ -2586,6 +2590,63 @@ __device__ void bwd_hopper_dQ(const BwdTiles<T, d, B_c, STAGES>& tiles, int i, i
             atomic_add_pair(dQ_row[h] + pass * DQ + 8 * nt, dS_scale * dQ_i[nt][2 * h], dS_scale * dQ_i[nt][2 * h + 1]);
     }
   }
+}
+
+// S_ij^T = K_j Q_i^T (l.10) and dP_ij^T = V_j dO_i^T (l.13) for query block i, by a consumer warpgroup of the hopper
+// backward, as two groups, once the block has landed: the consumer's keys key0.. (K_frag, V_frag, if
+// KV_in_registers) and queries q0... Slice kk is 32 bytes * (kk % 4) into panel kk / 4 of each operand, as in the
+// forward.
+template <typename T, int d, int B_c, int STAGES, int n_tiles>
+__device__ void bwd_hopper_S_dP(const BwdTiles<T, d, B_c, STAGES>& tiles, int i, float (&S)[n_tiles][4],
+                                float (&dP)[n_tiles][4], const uint32_t (&K_frag)[d / 16][4],
+                                const uint32_t (&V_frag)[d / 16][4], int key0, int q0) {
+  constexpr int B_r = BwdTiles<T, d, B_c, STAGES>::B_r, NQ = 8 * n_tiles;  // NQ: the consumer's queries
+  const int s = tiles.stage(i);
+  tiles.wait_full(i);  // Q_i, dO_i, L_i and D_i have landed
+  // K_j's and V_j's addresses as values the compiler cannot see through, so that it makes their descriptors
+  // here: hoisted out of the loop, the d/8 descriptors held 64-bit registers, and at d = 256 others spilled
+  uint32_t K = tiles.K(), V = tiles.V();
+  asm volatile("" : "+r"(K), "+r"(V));
+  wgmma_fence();  // S and dP were last used by ordinary instructions (see the kernel's loop)
+  for (int kk = 0; kk < d / 16; kk++)  // (K_frag, V_frag: one panel, NQ = B_r = 64)
+    if constexpr (KV_in_registers(d))
+      wgmma_m64nNk16_rs<T, 64, 0>(S, K_frag[kk], smem_desc(tiles.Q(s) + kk * 32, 0), kk > 0);
+    else
+      wgmma_ss<T, NQ>(S, smem_desc(K + kk / 4 * B_c * 128 + key0 * 128 + kk % 4 * 32, 0),
+                      smem_desc(tiles.Q(s) + kk / 4 * B_r * 128 + q0 * 128 + kk % 4 * 32, 0), kk > 0);
+  wgmma_commit();
+  for (int kk = 0; kk < d / 16; kk++)
+    if constexpr (KV_in_registers(d))
+      wgmma_m64nNk16_rs<T, 64, 0>(dP, V_frag[kk], smem_desc(tiles.dO(s) + kk * 32, 0), kk > 0);
+    else
+      wgmma_ss<T, NQ>(dP, smem_desc(V + kk / 4 * B_c * 128 + key0 * 128 + kk % 4 * 32, 0),
+                      smem_desc(tiles.dO(s) + kk / 4 * B_r * 128 + q0 * 128 + kk % 4 * 32, 0), kk > 0);
+  wgmma_commit();
+}
+
+// dV_j += P_ij^T dO_i (l.12) and dK_j += dS_ij^T Q_i (l.16) for query block i, by a consumer warpgroup of the hopper
+// backward, as one group: its keys key0.. and columns n0.. (a multiple of ND, the consumer's columns: the pieces
+// suit both consumers). Slice kk: queries 16kk.., which are 32 bytes * kk into the rows of P^T and dS^T (K-major:
+// P_frag and dS_frag if P_in_registers) and rows 16kk.. of dO_i and Q_i (N-major).
+template <typename T, int d, int B_c, int STAGES, int n_cols, int n_tiles>
+__device__ void bwd_hopper_dV_dK(const BwdTiles<T, d, B_c, STAGES>& tiles, int i, float (&dV_j)[n_cols][4],
+                                 float (&dK_j)[n_cols][4], const uint32_t (&P_frag)[n_tiles][4],
+                                 const uint32_t (&dS_frag)[n_tiles][4], int key0, int n0) {
+  constexpr int B_r = BwdTiles<T, d, B_c, STAGES>::B_r, ND = 8 * n_cols, align = B_c == 128 ? 64 : ND & -ND;
+  const int s = tiles.stage(i);
+  wgmma_fence();
+  if constexpr (P_in_registers(d)) {  // (then B_c = 128: n0 = 0, ND = d)
+    for (int kk = 0; kk < B_r / 16; kk++) wgmma_rs_cols<T, d>(dV_j, P_frag[kk], tiles.dO(s) + kk * 2048, B_r * 128);
+    for (int kk = 0; kk < B_r / 16; kk++) wgmma_rs_cols<T, d>(dK_j, dS_frag[kk], tiles.Q(s) + kk * 2048, B_r * 128);
+  } else {
+    for (int kk = 0; kk < B_r / 16; kk++)
+      wgmma_ss_cols<T, ND, align, 0>(dV_j, smem_desc(tiles.P(i) + key0 * 128 + kk * 32, 0), tiles.dO(s) + kk * 2048,
+                                     n0, B_r * 128, true);
+    for (int kk = 0; kk < B_r / 16; kk++)
+      wgmma_ss_cols<T, ND, align, 0>(dK_j, smem_desc(tiles.dS(i) + key0 * 128 + kk * 32, 0), tiles.Q(s) + kk * 2048,
+                                     n0, B_r * 128, true);
+  }
+  wgmma_commit();
 }
 
 // l.11 and l.14 for query block i on the CUDA cores, by a consumer warpgroup of the hopper backward, in place: S_ij^T
@@ -2735,60 +2796,16 @@ flash_bwd_hopper(const __grid_constant__ CUtensorMap Q_map, const __grid_constan
     float dK_j[ND / 8][4] = {}, dV_j[ND / 8][4] = {};                          // l.7: dK_j = dV_j = 0
     float S[NQ / 8][4], dP[NQ / 8][4];  // S_ij^T, then P_ij^T; dP_ij^T, then dS_ij^T
     uint32_t P_frag[NQ / 16][4], dS_frag[NQ / 16][4];  // P_ij^T, dS_ij^T as A fragments (if P_in_registers)
-    uint32_t K_frag[d / 16][4], V_frag[d / 16][4];      // this warp's 16 keys of K_j, V_j as A fragments (if
-    constexpr bool KV_in_registers = P_in_registers(d) && !DROPOUT;  // so: beside dropout's bits, 60 bytes spilled)
-    auto load_KV_fragments = [&] {  // K_j, V_j into K_frag, V_frag: lane l reads row l % 16 of the warp's keys,
-      for (int kk = 0; kk < d / 16; kk++) {  // 16-byte piece 2kk + l / 16 (swizzled), as ldmatrix's A operand
+    uint32_t K_frag[d / 16][4], V_frag[d / 16][4];      // this warp's 16 keys of K_j, V_j (if KV_in_registers)
+    auto load_KV_fragments = [&] {  // as A fragments: lane l reads row l % 16 of the warp's keys, 16-byte piece
+      for (int kk = 0; kk < d / 16; kk++) {  // 2kk + l / 16 (swizzled), as ldmatrix's A operand
         const int row = key0 + 16 * warp + lane % 16, piece = (2 * kk + lane / 16) ^ (row % 8);
         ldmatrix_x4(K_frag[kk], reinterpret_cast<void*>(__cvta_shared_to_generic(K_s + row * 128 + piece * 16)));
         ldmatrix_x4(V_frag[kk], reinterpret_cast<void*>(__cvta_shared_to_generic(V_s + row * 128 + piece * 16)));
       }
     };
-    // S_ij^T = K_j Q_i^T (l.10) and dP_ij^T = V_j dO_i^T (l.13) for query block i, as two groups: k slice kk
-    // is 32 bytes * (kk % 4) into panel kk / 4 of each operand, as in the forward
-    auto issue_S_dP = [&](int i) {
-      const int s = tiles.stage(i);
-      tiles.wait_full(i);  // Q_i, dO_i, L_i and D_i have landed
-      // K_j's and V_j's addresses as values the compiler cannot see through, so that it makes their descriptors
-      // here: hoisted out of the loop, the d/8 descriptors held 64-bit registers, and at d = 256 others spilled
-      uint32_t K = K_s, V = V_s;
-      asm volatile("" : "+r"(K), "+r"(V));
-      wgmma_fence();  // S and dP were last used by ordinary instructions (see the loop below)
-      for (int kk = 0; kk < d / 16; kk++)  // (K_frag, V_frag: one panel, NQ = B_r = 64)
-        if constexpr (KV_in_registers)
-          wgmma_m64nNk16_rs<T, 64, 0>(S, K_frag[kk], smem_desc(tiles.Q(s) + kk * 32, 0), kk > 0);
-        else
-          wgmma_ss<T, NQ>(S, smem_desc(K + kk / 4 * B_c * 128 + key0 * 128 + kk % 4 * 32, 0),
-                          smem_desc(tiles.Q(s) + kk / 4 * B_r * 128 + q0 * 128 + kk % 4 * 32, 0), kk > 0);
-      wgmma_commit();
-      for (int kk = 0; kk < d / 16; kk++)
-        if constexpr (KV_in_registers)
-          wgmma_m64nNk16_rs<T, 64, 0>(dP, V_frag[kk], smem_desc(tiles.dO(s) + kk * 32, 0), kk > 0);
-        else
-          wgmma_ss<T, NQ>(dP, smem_desc(V + kk / 4 * B_c * 128 + key0 * 128 + kk % 4 * 32, 0),
-                          smem_desc(tiles.dO(s) + kk / 4 * B_r * 128 + q0 * 128 + kk % 4 * 32, 0), kk > 0);
-      wgmma_commit();
-    };
-    // dV_j += P_ij^T dO_i (l.12) and dK_j += dS_ij^T Q_i (l.16), one group. Slice kk: queries 16kk.., which
-    // are 32 bytes * kk into the rows of P^T and dS^T (K-major) and rows 16kk.. of dO_i and Q_i (N-major);
-    // columns n0.. (a multiple of ND: the pieces suit both consumers)
-    auto issue_dV_dK = [&](int i) {
-      const int s = tiles.stage(i);
-      constexpr int align = split_keys ? 64 : ND & -ND;
-      wgmma_fence();
-      if constexpr (P_in_registers(d)) {  // (split_keys: n0 = 0, ND = d)
-        for (int kk = 0; kk < B_r / 16; kk++) wgmma_rs_cols<T, d>(dV_j, P_frag[kk], tiles.dO(s) + kk * 2048, B_r * 128);
-        for (int kk = 0; kk < B_r / 16; kk++) wgmma_rs_cols<T, d>(dK_j, dS_frag[kk], tiles.Q(s) + kk * 2048, B_r * 128);
-      } else {
-        for (int kk = 0; kk < B_r / 16; kk++)
-          wgmma_ss_cols<T, ND, align, 0>(dV_j, smem_desc(tiles.P(i) + key0 * 128 + kk * 32, 0), tiles.dO(s) + kk * 2048,
-                                         n0, B_r * 128, true);
-        for (int kk = 0; kk < B_r / 16; kk++)
-          wgmma_ss_cols<T, ND, align, 0>(dK_j, smem_desc(tiles.dS(i) + key0 * 128 + kk * 32, 0), tiles.Q(s) + kk * 2048,
-                                         n0, B_r * 128, true);
-      }
-      wgmma_commit();
-    };
+    auto issue_S_dP = [&](int i) { bwd_hopper_S_dP(tiles, i, S, dP, K_frag, V_frag, key0, q0); };  // l.10, l.13
+    auto issue_dV_dK = [&](int i) { bwd_hopper_dV_dK(tiles, i, dV_j, dK_j, P_frag, dS_frag, key0, n0); };  // l.12, l.16
     auto release = [&](int i) {  // every consumer thread has finished reading block i's stage (L_i and D_i
       mbar_arrive(tiles.empty(tiles.stage(i)));  // included: each thread arrives after its own reads)
     };
@@ -2816,7 +2833,7 @@ flash_bwd_hopper(const __grid_constant__ CUtensorMap Q_map, const __grid_constan
     // warpgroup.arrive of its own inside it and then waited after every wgmma of the kernel (its messages C7519 and
     // C7520), and with different pieces on two paths it did the same for want of registers (C7511).
     mbar_wait(tiles.KV_full(), 0);
-    if constexpr (KV_in_registers) load_KV_fragments();
+    if constexpr (KV_in_registers(d)) load_KV_fragments();
     issue_S_dP(i_start);
     wgmma_commit();  // an empty group in place of dV, dK keeps P_and_dS's counting
     P_and_dS(i_start);
