@@ -2258,11 +2258,70 @@ __device__ void store_panels(uint32_t tile, uint32_t panel_bytes, const float (&
     }
 }
 
+// The hopper forward's shared memory, from `Q` (1024-aligned: the 128-byte swizzle repeats every 1024 bytes): Q_i
+// (B_r, d), STAGES stages of K_j and V_j (B_c, d), each in panels of 64 columns (128-byte rows), then the mbarriers,
+// 8 bytes each: Q_full, and per stage K_full and K_empty. With 2 stages (d > 192) V_j has its own pair, V_full and
+// V_empty (split_KV), so that K_j+2 loads as soon as S_ij is done, while P_ij V_j still reads V_j: with one pair for
+// both, block j's stage would free only when S_i,j+2 needs it, and every block would wait for its load (1.29-1.46x
+// slower at d = 256 on an H200). With 3 stages a block's load has a block's time already, and the extra waits cost
+// more than they gave (0.93-1.01x at d = 128): there V_full and V_empty are K_full and K_empty. Notebook 08, section
+// 5, models both. bytes: the launcher's dynamic shared memory, with 1 KB of slack for the alignment.
+template <int d, int NWG, int B_c, int STAGES>
+struct FwdTiles {
+  static constexpr int B_r = 64 * NWG;
+  static constexpr bool split_KV = STAGES == 2;
+  static constexpr uint32_t Q_bytes = B_r * 128 * panels(d), KV_bytes = B_c * 128 * panels(d);  // one tile
+  static constexpr size_t bytes = Q_bytes + 2 * STAGES * KV_bytes + 8 * (1 + 4 * STAGES) + 1024;
+  // Registers per thread after setmaxnreg: the producer needs few; the consumers share the rest of the SM's 64 K
+  // (multiples of 8, at most 240 per thread for NWG = 2)
+  static constexpr int producer_regs = 24, consumer_regs = (65536 / 128 - producer_regs) / NWG / 8 * 8;
+  uint32_t Q;
+  __device__ uint32_t K(int s) const { return Q + Q_bytes + 2 * s * KV_bytes; }  // K_j in stage s (B_c, d)
+  __device__ uint32_t V(int s) const { return K(s) + KV_bytes; }                  // V_j in stage s (B_c, d)
+  __device__ uint32_t Q_full() const { return K(STAGES); }
+  __device__ uint32_t K_full(int s) const { return Q_full() + 8 * (1 + s); }
+  __device__ uint32_t K_empty(int s) const { return Q_full() + 8 * (1 + STAGES + s); }
+  __device__ uint32_t V_full(int s) const { return split_KV ? Q_full() + 8 * (1 + 2 * STAGES + s) : K_full(s); }
+  __device__ uint32_t V_empty(int s) const { return split_KV ? Q_full() + 8 * (1 + 3 * STAGES + s) : K_empty(s); }
+};
+
+// The hopper forward's producer warpgroup, for the key blocks j0 .. j0 + n_blocks - 1 of the query block at row0: one
+// thread issues every TMA load, Q_i once, then K_j and V_j into each stage as soon as it is free.
+template <int d, int NWG, int B_c, int STAGES>
+__device__ void fwd_hopper_producer(const FwdTiles<d, NWG, B_c, STAGES>& tiles, const CUtensorMap& Q_map,
+                                    const CUtensorMap& K_map, const CUtensorMap& V_map, const Mask& mask, int group,
+                                    int row0, int j0, int n_blocks) {
+  using Tiles = FwdTiles<d, NWG, B_c, STAGES>;
+  constexpr int B_r = Tiles::B_r;
+  constexpr bool split_KV = Tiles::split_KV;
+  asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;" ::"n"(Tiles::producer_regs));
+  if (threadIdx.x == 0) {
+    const int h = blockIdx.y, h_kv = h / group;  // query head h reads key/value head h / group
+    const Sequence queries(mask.cu_q), keys(mask.cu_k);
+    mbar_arrive_expect_bytes(tiles.Q_full(), Tiles::Q_bytes);                         // l.4: load Q_i
+    for (int c = 0; c < panels(d); c++)
+      tma_load(tiles.Q + c * B_r * 128, Q_map, 64 * c, queries, row0, h, tiles.Q_full());
+    for (int n = 0; n < n_blocks; n++) {                                              // l.7: load K_j, V_j
+      const int s = n % STAGES, j = j0 + n;
+      if (n >= STAGES) mbar_wait(tiles.K_empty(s), (n / STAGES - 1) % 2);  // block j - STAGES's K is out of stage s
+      mbar_arrive_expect_bytes(tiles.K_full(s), split_KV ? Tiles::KV_bytes : 2 * Tiles::KV_bytes);
+      for (int c = 0; c < panels(d); c++)
+        tma_load(tiles.K(s) + c * B_c * 128, K_map, 64 * c, keys, j * B_c, h_kv, tiles.K_full(s));
+      if (split_KV) {
+        if (n >= STAGES) mbar_wait(tiles.V_empty(s), (n / STAGES - 1) % 2);  // and its V
+        mbar_arrive_expect_bytes(tiles.V_full(s), Tiles::KV_bytes);
+      }
+      for (int c = 0; c < panels(d); c++)
+        tma_load(tiles.V(s) + c * B_c * 128, V_map, 64 * c, keys, j * B_c, h_kv, tiles.V_full(s));
+    }
+  }
+}
+
 // fp16/bf16 forward on Hopper (sm_90a): FlashAttention-2's Algorithm 1 with FlashAttention-3's machinery.
 // Grid (T_r, H_q, B); 1 + NWG warpgroups (NWG = 3 at d <= 64, else 2: see fwd_hopper); B_r = 64*NWG, B_c = 128
-// (64 past d = 128). Warpgroup 0 is the producer: one of its threads issues every TMA load. Warpgroup c = 1..NWG
-// is a consumer owning rows 64(c-1) .. 64c-1 of Q_i, S_ij and O_i; per block j it computes, with the m16n8
-// fragments of the Ampere kernel in each warp:
+// (64 past d = 128), in the shared memory of FwdTiles. Warpgroup 0 is the producer (fwd_hopper_producer): one of
+// its threads issues every TMA load. Warpgroup c = 1..NWG is a consumer owning rows 64(c-1) .. 64c-1 of Q_i, S_ij
+// and O_i; per block j it computes, with the m16n8 fragments of the Ampere kernel in each warp:
 //   S_ij (64, B_c)  = Q_i (64, d) K_j^T (d, B_c)    d/16 wgmma m64n128k16, A and B from shared memory
 //   O_i  (64, d)   += P_ij (64, B_c) V_j (B_c, d)   B_c/16 wgmma m64n{d}k16 (in pieces), A (P_ij) from registers
 // Three kinds of waiting keep the tensor cores busy:
@@ -2286,27 +2345,12 @@ flash_fwd_hopper(const __grid_constant__ CUtensorMap Q_map, const __grid_constan
                  const __grid_constant__ CUtensorMap V_map, const __grid_constant__ CUtensorMap O_map, Rows<T> O,
                  float* __restrict__ L, Scores sc, int group) {
 #if SM90A
-  constexpr int B_r = 64 * NWG;
+  using Tiles = FwdTiles<d, NWG, B_c, STAGES>;
+  constexpr int B_r = Tiles::B_r;
+  constexpr bool split_KV = Tiles::split_KV;
   static_assert(B_c == 64 || B_c == 128, "S_ij is one wgmma m64n{B_c}k16 per k slice");
-  constexpr uint32_t Q_bytes = B_r * 128 * panels(d), KV_bytes = B_c * 128 * panels(d);  // one tile
-  // Registers per thread after setmaxnreg: the producer needs few; the consumers share the rest of the
-  // SM's 64 K (multiples of 8, at most 240 per thread for NWG = 2)
-  constexpr int producer_regs = 24, consumer_regs = (65536 / 128 - producer_regs) / NWG / 8 * 8;
   extern __shared__ unsigned char smem_raw[];
-  const uint32_t Q_s = (smem_addr(smem_raw) + 1023) & ~1023u;    // Q_i (B_r, d); swizzling needs 1024-alignment
-  auto K_s = [&](int s) { return Q_s + Q_bytes + 2 * s * KV_bytes; };  // K_j in stage s (B_c, d)
-  auto V_s = [&](int s) { return K_s(s) + KV_bytes; };                  // V_j in stage s (B_c, d)
-  // then the mbarriers, 8 bytes each. With 2 stages (d > 192) K_j and V_j have their own, so that K_j+2 loads as
-  // soon as S_ij is done, while P_ij V_j still reads V_j: with one pair for both, block j's stage would free only
-  // when S_i,j+2 needs it, and every block would wait for its load (1.29-1.46x slower at d = 256 on an H200). With
-  // 3 stages a block's load has a block's time already, and the extra waits cost more than they gave (0.93-1.01x at
-  // d = 128): there V_full and V_empty are K_full and K_empty. Notebook 08, section 5, models both.
-  constexpr bool split_KV = STAGES == 2;
-  const uint32_t Q_full = Q_s + Q_bytes + 2 * STAGES * KV_bytes;
-  auto K_full = [&](int s) { return Q_full + 8 * (1 + s); };
-  auto K_empty = [&](int s) { return Q_full + 8 * (1 + STAGES + s); };
-  auto V_full = [&](int s) { return split_KV ? Q_full + 8 * (1 + 2 * STAGES + s) : K_full(s); };
-  auto V_empty = [&](int s) { return split_KV ? Q_full + 8 * (1 + 3 * STAGES + s) : K_empty(s); };
+  const Tiles tiles{(smem_addr(smem_raw) + 1023) & ~1023u};
   const int wg = threadIdx.x / 128, i = gridDim.x - 1 - blockIdx.x, row0 = i * B_r;
   const Mask mask = sc.mask = sc.mask.sequence();
   if (row0 >= mask.N_q) return;  // (a packed batch: past this sequence's queries)
@@ -2314,41 +2358,22 @@ flash_fwd_hopper(const __grid_constant__ CUtensorMap Q_map, const __grid_constan
   const int j0 = blocks.x, n_blocks = blocks.y - blocks.x;
 
   if (threadIdx.x == 0) {
-    mbar_init(Q_full, 1);
+    mbar_init(tiles.Q_full(), 1);
     for (int s = 0; s < STAGES; s++) {
-      mbar_init(K_full(s), 1), mbar_init(K_empty(s), 4 * NWG);
-      if (split_KV) mbar_init(V_full(s), 1), mbar_init(V_empty(s), 4 * NWG);
+      mbar_init(tiles.K_full(s), 1), mbar_init(tiles.K_empty(s), 4 * NWG);
+      if (split_KV) mbar_init(tiles.V_full(s), 1), mbar_init(tiles.V_empty(s), 4 * NWG);
     }
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");  // initialised before TMA signals them
   }
   __syncthreads();  // no thread waits on a barrier before it is initialised
 
-  if (wg == 0) {  // producer
-    asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;" ::"n"(producer_regs));
-    if (threadIdx.x == 0) {
-      const int h = blockIdx.y, h_kv = h / group;  // query head h reads key/value head h / group
-      const Sequence queries(mask.cu_q), keys(mask.cu_k);
-      mbar_arrive_expect_bytes(Q_full, Q_bytes);                                   // l.4: load Q_i
-      for (int c = 0; c < panels(d); c++) tma_load(Q_s + c * B_r * 128, Q_map, 64 * c, queries, row0, h, Q_full);
-      for (int n = 0; n < n_blocks; n++) {                                         // l.7: load K_j, V_j
-        const int s = n % STAGES, j = j0 + n;
-        if (n >= STAGES) mbar_wait(K_empty(s), (n / STAGES - 1) % 2);  // block j - STAGES's K is out of stage s
-        mbar_arrive_expect_bytes(K_full(s), split_KV ? KV_bytes : 2 * KV_bytes);
-        for (int c = 0; c < panels(d); c++)
-          tma_load(K_s(s) + c * B_c * 128, K_map, 64 * c, keys, j * B_c, h_kv, K_full(s));
-        if (split_KV) {
-          if (n >= STAGES) mbar_wait(V_empty(s), (n / STAGES - 1) % 2);  // and its V
-          mbar_arrive_expect_bytes(V_full(s), KV_bytes);
-        }
-        for (int c = 0; c < panels(d); c++)
-          tma_load(V_s(s) + c * B_c * 128, V_map, 64 * c, keys, j * B_c, h_kv, V_full(s));
-      }
-    }
+  if (wg == 0) {  // l.4, l.7: the producer loads Q_i, then K_j and V_j into the stages
+    fwd_hopper_producer(tiles, Q_map, K_map, V_map, mask, group, row0, j0, n_blocks);
   } else {  // consumer warpgroup wg: rows 64(wg-1) .. 64wg-1 of the block
-    asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;" ::"n"(consumer_regs));
+    asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;" ::"n"(Tiles::consumer_regs));
     const int warp = threadIdx.x / 32 % 4, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
     const int r = row0 + 64 * (wg - 1) + 16 * warp + g;  // this lane's rows are r and r + 8
-    const uint32_t Q_wg = Q_s + 64 * (wg - 1) * 128;     // this warpgroup's 64 rows of each Q_i panel
+    const uint32_t Q_wg = tiles.Q + 64 * (wg - 1) * 128;  // this warpgroup's 64 rows of each Q_i panel
     const float slope = sc.slope(blockIdx.z, blockIdx.y);
     float O_i[d / 8][4] = {}, m_i[2] = {M_START, M_START}, l_i[2] = {0.f, 0.f};  // l.5
     float S[B_c / 8][4], alpha[2];  // S_ij, then P_ij in fp32
@@ -2360,7 +2385,7 @@ flash_fwd_hopper(const __grid_constant__ CUtensorMap Q_map, const __grid_constan
       const int s = n % STAGES;
       for (int kk = 0; kk < d / 16; kk++)
         wgmma_ss<T, B_c>(S, smem_desc(Q_wg + kk / 4 * B_r * 128 + kk % 4 * 32, 0),
-                         smem_desc(K_s(s) + kk / 4 * B_c * 128 + kk % 4 * 32, 0), kk > 0);
+                         smem_desc(tiles.K(s) + kk / 4 * B_c * 128 + kk % 4 * 32, 0), kk > 0);
       wgmma_commit();
     };
     // l.9 for block j, on the CUDA cores: m_i, l_i and alpha updated, S_ij replaced by P_ij in place (fp32). Plain
@@ -2400,14 +2425,15 @@ flash_fwd_hopper(const __grid_constant__ CUtensorMap Q_map, const __grid_constan
     // bytes) in slice kk. Only issued; afterwards this warp releases stage s once wgmma_wait has collected O_i.
     auto issue_PV = [&](int n) {
       const int s = n % STAGES;
-      for (int kk = 0; kk < B_c / 16; kk++) wgmma_rs_cols<T, d>(O_i, P[kk], V_s(s) + kk * 2048, B_c * 128);
+      for (int kk = 0; kk < B_c / 16; kk++) wgmma_rs_cols<T, d>(O_i, P[kk], tiles.V(s) + kk * 2048, B_c * 128);
       wgmma_commit();
     };
-    mbar_wait(Q_full, 0);
+    mbar_wait(tiles.Q_full(), 0);
     auto rescale = [&] { rescale_O<d, tau>(O_i, alpha); };  // O_i *= alpha
-    auto ready_PV = [&](int n) { if (split_KV) mbar_wait(V_full(n % STAGES), n / STAGES % 2); };
-    forward_schedule<NWG, STAGES, d == 128, split_KV>(wg, n_blocks, S, O_i, K_full, V_empty, K_empty, ready_PV,
-                                                      issue_S, issue_PV, softmax, to_P, rescale);
+    auto ready_PV = [&](int n) { if (split_KV) mbar_wait(tiles.V_full(n % STAGES), n / STAGES % 2); };
+    forward_schedule<NWG, STAGES, d == 128, split_KV>(
+        wg, n_blocks, S, O_i, [&](int s) { return tiles.K_full(s); }, [&](int s) { return tiles.V_empty(s); },
+        [&](int s) { return tiles.K_empty(s); }, ready_PV, issue_S, issue_PV, softmax, to_P, rescale);
     // l.12-15, O_i / l_i through shared memory: into this warpgroup's rows of Q_i's panels (only its own products
     // read them, and they are done), then by TMA, which writes whole 128-byte rows where write_O_L's stores write
     // 16 bytes into each of 8 rows. A tile that runs past its sequence in a packed batch would overwrite the next
@@ -3665,10 +3691,8 @@ void fwd_hopper(const at::Tensor& Q, const at::Tensor& K, const at::Tensor& V, a
   const int N_q = sc.mask.N_q;  // (a packed batch: the longest sequence's)
   if constexpr (NWG == 3)
     if (short_masked_rows(sc)) return fwd_hopper<T, d, 2>(Q, K, V, O, L, sc, stream);
-  // Q_i and STAGES stages of K_j, V_j (each row 64 elements per panel), the mbarriers, and 1 KB of slack to align
-  // the tiles to 1024 bytes
-  const size_t smem = (B_r + 2 * STAGES * B_c) * 128 * panels(d) + 8 * (1 + 4 * STAGES) + 1024;  // (4: split_KV)
-  launch(flash_fwd_hopper<T, d, NWG, B_c, STAGES>, grid((N_q + B_r - 1) / B_r, Q, sc), 128 * (NWG + 1), smem, stream,
+  launch(flash_fwd_hopper<T, d, NWG, B_c, STAGES>, grid((N_q + B_r - 1) / B_r, Q, sc), 128 * (NWG + 1),
+         FwdTiles<d, NWG, B_c, STAGES>::bytes, stream,
          tensor_map(Q, B_r), tensor_map(K, B_c), tensor_map(V, B_c), tensor_map(O, 64), rows<T>(O, sc.mask.cu_q),
          ptr<float>(L), sc, group(Q, K));
 }
