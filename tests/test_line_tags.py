@@ -3,7 +3,8 @@
 
 PAPER holds the paper's numbering: line -> the step's words, and the symbols a comment on that step must
 name. A tag whose comment describes its step ("l.8: S_ij = Q_i K_j^T") must name one of them; every tag must
-be a line of its algorithm; reference.py tags every step.
+be a line of its algorithm; reference.py tags every step. And each kernel of flash.cu reads in about 100 lines:
+its steps live in functions named for them, where the tags follow them.
 """
 import pathlib
 import re
@@ -94,3 +95,18 @@ def test_each_kernel_tags_its_main_steps(kernel):
     tagged = {n for f, a, lines, _ in tags(ROOT / "flash.cu") if f == kernel for n in lines}
     main_steps = {4, 7, 8, 9, 10} if "fwd" in kernel else {6, 7, 8, 10, 11, 12, 13, 14, 15, 16, 18}
     assert main_steps <= tagged, f"{kernel} tags no line {sorted(main_steps - tagged)}"
+
+
+def test_each_kernel_reads_in_about_100_lines():
+    """Lines of code (not comments, not blank) of every __global__ function, from its name to its closing brace."""
+    lines = (ROOT / "flash.cu").read_text().splitlines()
+    sizes = {}
+    for i, line in enumerate(lines):
+        if "__global__" in line and not line.lstrip().startswith("//"):
+            start = next(k for k in range(i, len(lines)) if re.match(r"\w+\(", lines[k]))
+            end = lines.index("}", start)
+            sizes[lines[start].split("(")[0]] = sum(1 for x in lines[start:end + 1] if x.strip() and not
+                                                    x.strip().startswith("//"))
+    assert len(sizes) >= 15 and "flash_fwd_hopper" in sizes, sorted(sizes)
+    long = {k: n for k, n in sizes.items() if n > 100}
+    assert not long, f"kernels past 100 lines of code (move a step into a function of its own): {long}"
