@@ -2619,9 +2619,9 @@ __device__ void bwd_hopper_dQ(const BwdTiles<T, d, B_c, STAGES>& tiles, int i, i
 }
 
 // S_ij^T = K_j Q_i^T (l.10) and dP_ij^T = V_j dO_i^T (l.13) for query block i, by a consumer warpgroup of the hopper
-// backward, as two groups, once the block has landed: the consumer's keys key0.. (K_frag, V_frag, if
-// KV_in_registers) and queries q0... Slice kk is 32 bytes * (kk % 4) into panel kk / 4 of each operand, as in the
-// forward.
+// backward, as two groups, once the block has landed: the consumer's keys from key0 (in K_frag and V_frag if
+// KV_in_registers) and queries from q0. Slice kk is 32 bytes * (kk % 4) into panel kk / 4 of each operand, as in
+// the forward.
 template <typename T, int d, int B_c, int STAGES, int n_tiles>
 __device__ void bwd_hopper_S_dP(const BwdTiles<T, d, B_c, STAGES>& tiles, int i, float (&S)[n_tiles][4],
                                 float (&dP)[n_tiles][4], const uint32_t (&K_frag)[d / 16][4],
