@@ -1426,42 +1426,7 @@ flash_fwd_ampere(Rows<const TQK> Q, Rows<const TQK> K, Rows<const T> V, Rows<T> 
     write_O_L<T, d>(O_i[m], m_i[m], l_i[m], O, L, r + 16 * m, t, N_q, sc.dropout.scale);  // l.12-15
 }
 
-// l.15 of the ampere backward, dQ_i += dS_ij K_j over the block's B_c keys, dS_ij^T (B_c, B_r) and K_j (B_c, d) in
-// shared memory: warp w computes queries 16(w % MT) .. +15, columns n0 + (w / MT) DC/CW .. + DC/CW of dQ_i, MT row
-// tiles by CW column groups, and adds them into dQ with atomics, times `scale` (this head's rows from row_index).
-// (warp, lane, g, t passed in, as bwd_hopper_dQ's.)
-template <typename T, int d, int B_r, int NW, int DC>
-__device__ void bwd_ampere_dQ(const T* dS_s, const T* K_s, float* dQ, size_t row_index, int row0, int n0, int N_q,
-                              float scale, int warp, int lane, int g, int t) {
-  constexpr int B_c = 16 * NW, ld = d + 8, ldS = B_r + 8;
-  constexpr int MT = B_r / 16, CW = NW / MT;
-  static_assert(DC / CW % 16 == 0, "each warp's columns of dQ_i are pairs of 8-column tiles");
-  const int m0 = 16 * (warp % MT), c0 = n0 + (warp / MT) * (DC / CW);
-  float dQ_i[DC / CW / 8][4] = {};
-#pragma unroll
-  for (int kk = 0; kk < B_c / 16; kk++) {
-    // A fragment of dS_ij (queries m0.., keys 16kk..) read transposed from dS_ij^T: lane l points at
-    // key 16kk + l%8 + 8*(l/16), query m0 + 8*((l/8)%2)
-    uint32_t a[4];
-    ldmatrix_x4_trans(a, &dS_s[(16 * kk + lane % 8 + 8 * (lane / 16)) * ldS + m0 + 8 * (lane / 8 % 2)]);
-#pragma unroll
-    for (int nt = 0; nt < DC / CW / 8; nt += 2) {  // B fragments of K_j: keys 16kk.., dims c0 + 8nt..
-      uint32_t b[4];
-      ldmatrix_x4_trans(b, &K_s[(16 * kk + lane % 8 + 8 * (lane / 8 % 2)) * ld + c0 + 8 * nt + 8 * (lane / 16)]);
-      mma_m16n8k16<T>(dQ_i[nt], a, b[0], b[1]), mma_m16n8k16<T>(dQ_i[nt + 1], a, b[2], b[3]);
-    }
-  }
-#pragma unroll
-  for (int h = 0; h < 2; h++) {
-    const int r = row0 + m0 + g + 8 * h;
-    if (r < N_q)
-#pragma unroll
-      for (int nt = 0; nt < DC / CW / 8; nt++)
-        atomic_add_pair(&dQ[(row_index + r) * d + c0 + 8 * nt + 2 * t], scale * dQ_i[nt][2 * h],
-                        scale * dQ_i[nt][2 * h + 1]);
-  }
-}
-
+// ------------------------------------------------------------------------------------------------------
 // l.11 and l.14 of the ampere backward on the CUDA cores, in place: S_ij^T becomes P_ij^T = exp(S_ij - L_i), dP_ij^T
 // becomes dS_ij^T = P_ij o (dP_ij - D_i), for the lane's keys key, key + 8 and queries row0 + 8nt + 2t, + 1 of each
 // tile nt (L_i, D_i: the block's, in shared memory); with dropout, P_ij o Z_ij and dP_ij o Z_ij. edge: the block may
@@ -1499,7 +1464,42 @@ __device__ void bwd_ampere_P_and_dS(float (&S)[B_r / 8][4], float (&dP)[B_r / 8]
   }
 }
 
-// ------------------------------------------------------------------------------------------------------
+// l.15 of the ampere backward, dQ_i += dS_ij K_j over the block's B_c keys, dS_ij^T (B_c, B_r) and K_j (B_c, d) in
+// shared memory: warp w computes queries 16(w % MT) .. +15, columns n0 + (w / MT) DC/CW .. + DC/CW of dQ_i, MT row
+// tiles by CW column groups, and adds them into dQ with atomics, times `scale` (this head's rows from row_index).
+// (warp, lane, g, t passed in, as bwd_hopper_dQ's.)
+template <typename T, int d, int B_r, int NW, int DC>
+__device__ void bwd_ampere_dQ(const T* dS_s, const T* K_s, float* dQ, size_t row_index, int row0, int n0, int N_q,
+                              float scale, int warp, int lane, int g, int t) {
+  constexpr int B_c = 16 * NW, ld = d + 8, ldS = B_r + 8;
+  constexpr int MT = B_r / 16, CW = NW / MT;
+  static_assert(DC / CW % 16 == 0, "each warp's columns of dQ_i are pairs of 8-column tiles");
+  const int m0 = 16 * (warp % MT), c0 = n0 + (warp / MT) * (DC / CW);
+  float dQ_i[DC / CW / 8][4] = {};
+#pragma unroll
+  for (int kk = 0; kk < B_c / 16; kk++) {
+    // A fragment of dS_ij (queries m0.., keys 16kk..) read transposed from dS_ij^T: lane l points at
+    // key 16kk + l%8 + 8*(l/16), query m0 + 8*((l/8)%2)
+    uint32_t a[4];
+    ldmatrix_x4_trans(a, &dS_s[(16 * kk + lane % 8 + 8 * (lane / 16)) * ldS + m0 + 8 * (lane / 8 % 2)]);
+#pragma unroll
+    for (int nt = 0; nt < DC / CW / 8; nt += 2) {  // B fragments of K_j: keys 16kk.., dims c0 + 8nt..
+      uint32_t b[4];
+      ldmatrix_x4_trans(b, &K_s[(16 * kk + lane % 8 + 8 * (lane / 8 % 2)) * ld + c0 + 8 * nt + 8 * (lane / 16)]);
+      mma_m16n8k16<T>(dQ_i[nt], a, b[0], b[1]), mma_m16n8k16<T>(dQ_i[nt + 1], a, b[2], b[3]);
+    }
+  }
+#pragma unroll
+  for (int h = 0; h < 2; h++) {
+    const int r = row0 + m0 + g + 8 * h;
+    if (r < N_q)
+#pragma unroll
+      for (int nt = 0; nt < DC / CW / 8; nt++)
+        atomic_add_pair(&dQ[(row_index + r) * d + c0 + 8 * nt + 2 * t], scale * dQ_i[nt][2 * h],
+                        scale * dQ_i[nt][2 * h + 1]);
+  }
+}
+
 // fp16/bf16 backward on Ampere tensor cores (sm_80+): FlashAttention-2, Algorithm 2.
 // Grid (T_c, H_q, B): one block per key block K_j, V_j of one query head (dK_j, dV_j per query head: the host
 // sums a group's), looping over query blocks Q_i.

@@ -50,20 +50,32 @@ BACKWARD = ("bwd", "backward", "store_rows", "copy_L_D", "preprocess")
 
 
 def tags(path):
-    """(function, algorithm, [line numbers], text after the colon or None) for every tag in a comment."""
+    """(function, algorithm, [line numbers], text after the colon or None) for every tag in a comment. A comment
+    at column 0 right above a function (its template and __global__ lines between) is that function's heading
+    and its tags are the function's; any other comment's belong to the function it follows or is in."""
     marker = "#" if path.suffix == ".py" else "//"
-    function, found = None, []
-    for line in path.read_text().splitlines():
-        code = line.split(marker, 1)[0]
-        if code[:1].strip() and (m := re.search(r"(\w+)\(", code)) and not code.startswith(("#", "template")):
-            function = m.group(1)
-        if marker not in line:
-            continue
-        for m in TAG.finditer(line.split(marker, 1)[1]):
+    function, found, heading = None, [], []
+
+    def add(matches):
+        for m in matches:
             alg = int(m.group(1) or (2 if any(w in function for w in BACKWARD) else 1))
             first, last = int(m.group(2)), int(m.group(3) or m.group(2))
             lines = list(range(first, last + 1)) + [int(x) for x in re.findall(r"\d+", m.group(4))]
             found.append((function, alg, lines, m.group(5)))
+
+    for line in path.read_text().splitlines():
+        if line.startswith(marker):  # may head the function below
+            heading += TAG.finditer(line[len(marker):])
+            continue
+        code = line.split(marker, 1)[0]
+        if (code[:1].strip() and (m := re.search(r"(\w+)\(", code)) and m.group(1) != "__launch_bounds__"
+                and not code.startswith(("#", "template"))):
+            function = m.group(1)
+        if not code.startswith(("template", "__global__")):
+            add(heading)
+            heading = []
+        if marker in line:
+            add(TAG.finditer(line.split(marker, 1)[1]))
     return found
 
 
