@@ -2258,6 +2258,11 @@ __device__ void store_panels(uint32_t tile, uint32_t panel_bytes, const float (&
     }
 }
 
+// Registers per thread for the consumer warpgroups of a Hopper forward after setmaxnreg, when the producer keeps
+// producer_regs: the rest of the SM's 64 K shared by NWG warpgroups of 128 threads, in multiples of 8 (producer 24:
+// 240 for NWG = 2, 160 for NWG = 3).
+constexpr int consumer_registers(int producer_regs, int NWG) { return (65536 / 128 - producer_regs) / NWG / 8 * 8; }
+
 // The hopper forward's shared memory, from `Q` (1024-aligned: the 128-byte swizzle repeats every 1024 bytes): Q_i
 // (B_r, d), STAGES stages of K_j and V_j (B_c, d), each in panels of 64 columns (128-byte rows), then the mbarriers,
 // 8 bytes each: Q_full, and per stage K_full and K_empty. With 2 stages (d > 192) V_j has its own pair, V_full and
@@ -2272,9 +2277,7 @@ struct FwdTiles {
   static constexpr bool split_KV = STAGES == 2;
   static constexpr uint32_t Q_bytes = B_r * 128 * panels(d), KV_bytes = B_c * 128 * panels(d);  // one tile
   static constexpr size_t bytes = Q_bytes + 2 * STAGES * KV_bytes + 8 * (1 + 4 * STAGES) + 1024;
-  // Registers per thread after setmaxnreg: the producer needs few; the consumers share the rest of the SM's 64 K
-  // (multiples of 8, at most 240 per thread for NWG = 2)
-  static constexpr int producer_regs = 24, consumer_regs = (65536 / 128 - producer_regs) / NWG / 8 * 8;
+  static constexpr int producer_regs = 24, consumer_regs = consumer_registers(producer_regs, NWG);  // (setmaxnreg)
   uint32_t Q;
   __device__ uint32_t K(int s) const { return Q + Q_bytes + 2 * s * KV_bytes; }  // K_j in stage s (B_c, d)
   __device__ uint32_t V(int s) const { return K(s) + KV_bytes; }                  // V_j in stage s (B_c, d)
@@ -2633,21 +2636,20 @@ __device__ void bwd_hopper_S_dP(const BwdTiles<T, d, B_c, STAGES>& tiles, int i,
   // here: hoisted out of the loop, the d/8 descriptors held 64-bit registers, and at d = 256 others spilled
   uint32_t K = tiles.K(), V = tiles.V();
   asm volatile("" : "+r"(K), "+r"(V));
+  // X^T = A B^T over the d columns, one group: A is K_j or V_j (A_frag, one panel, NQ = B_r = 64; else at A_s),
+  // B is Q_i or dO_i (at B_s)
+  auto product = [&](float (&X)[n_tiles][4], const uint32_t (&A_frag)[d / 16][4], uint32_t A_s, uint32_t B_s) {
+    for (int kk = 0; kk < d / 16; kk++)
+      if constexpr (KV_in_registers(d))
+        wgmma_m64nNk16_rs<T, 64, 0>(X, A_frag[kk], smem_desc(B_s + kk * 32, 0), kk > 0);
+      else
+        wgmma_ss<T, NQ>(X, smem_desc(A_s + kk / 4 * B_c * 128 + key0 * 128 + kk % 4 * 32, 0),
+                        smem_desc(B_s + kk / 4 * B_r * 128 + q0 * 128 + kk % 4 * 32, 0), kk > 0);
+    wgmma_commit();
+  };
   wgmma_fence();  // S and dP were last used by ordinary instructions (see the kernel's loop)
-  for (int kk = 0; kk < d / 16; kk++)  // (K_frag, V_frag: one panel, NQ = B_r = 64)
-    if constexpr (KV_in_registers(d))
-      wgmma_m64nNk16_rs<T, 64, 0>(S, K_frag[kk], smem_desc(tiles.Q(s) + kk * 32, 0), kk > 0);
-    else
-      wgmma_ss<T, NQ>(S, smem_desc(K + kk / 4 * B_c * 128 + key0 * 128 + kk % 4 * 32, 0),
-                      smem_desc(tiles.Q(s) + kk / 4 * B_r * 128 + q0 * 128 + kk % 4 * 32, 0), kk > 0);
-  wgmma_commit();
-  for (int kk = 0; kk < d / 16; kk++)
-    if constexpr (KV_in_registers(d))
-      wgmma_m64nNk16_rs<T, 64, 0>(dP, V_frag[kk], smem_desc(tiles.dO(s) + kk * 32, 0), kk > 0);
-    else
-      wgmma_ss<T, NQ>(dP, smem_desc(V + kk / 4 * B_c * 128 + key0 * 128 + kk % 4 * 32, 0),
-                      smem_desc(tiles.dO(s) + kk / 4 * B_r * 128 + q0 * 128 + kk % 4 * 32, 0), kk > 0);
-  wgmma_commit();
+  product(S, K_frag, K, tiles.Q(s));    // l.10: S_ij^T = K_j Q_i^T
+  product(dP, V_frag, V, tiles.dO(s));  // l.13: dP_ij^T = V_j dO_i^T
 }
 
 // dV_j += P_ij^T dO_i (l.12) and dK_j += dS_ij^T Q_i (l.16) for query block i, by a consumer warpgroup of the hopper
@@ -3242,6 +3244,7 @@ struct Fp8Tiles {
                             O_bytes = O_staged ? panels(d) * Q_panel : 0;
   static constexpr size_t bytes = row_panels * Q_panel + STAGES * stage_bytes + O_bytes + 8 * (1 + 5 * STAGES) + 1024;
   static constexpr int producer_regs = V_TRANSPOSED ? 24 : 40;  // registers a thread (40: the transpose's)
+  static constexpr int consumer_regs = consumer_registers(producer_regs, NWG);  // NWG = 3: 160 (152); 2: 240 (232)
   uint32_t Q;                                                    // Q_i (B_r, d bytes)
   __device__ uint32_t K(int s) const { return Q + row_panels * Q_panel + s * stage_bytes; }  // K_j in stage s (B_c, d)
   __device__ uint32_t V(int s) const { return K(s) + tile_bytes; }  // V_j as stored (not with V_TRANSPOSED)
@@ -3308,7 +3311,6 @@ flash_fwd_hopper_fp8(const __grid_constant__ CUtensorMap Q_map, const __grid_con
 #if SM90A
   using Tiles = Fp8Tiles<d, NWG, STAGES, V_TRANSPOSED>;
   constexpr int B_r = Tiles::B_r, B_c = Tiles::B_c;
-  constexpr int consumer_regs = (65536 / 128 - Tiles::producer_regs) / NWG / 8 * 8;  // NWG = 3: 160 (152); 2: 240 (232)
   constexpr uint32_t Q_panel = Tiles::Q_panel, tile_panel = Tiles::tile_panel;
   constexpr bool split_KV = Tiles::split_KV;
   extern __shared__ unsigned char smem_raw[];
@@ -3333,7 +3335,7 @@ flash_fwd_hopper_fp8(const __grid_constant__ CUtensorMap Q_map, const __grid_con
   if (wg == 0) {  // producer: thread 0 loads, warps 1-3 transpose V_j
     fp8_producer(tiles, Q_map, K_map, V_map, row0, h_kv, j0, n_blocks);
   } else {  // consumer warpgroup wg: rows 64(wg-1) .. 64wg-1 of the block
-    asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;" ::"n"(consumer_regs));
+    asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;" ::"n"(Tiles::consumer_regs));
     const int warp = threadIdx.x / 32 % 4, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
     const int r = row0 + 64 * (wg - 1) + 16 * warp + g;  // this lane's rows are r and r + 8
     const uint32_t Q_wg = tiles.Q + 64 * (wg - 1) * 128;  // this warpgroup's 64 rows of Q_i

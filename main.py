@@ -895,7 +895,7 @@ def _check_gpu():
     # (the 8-bit kernels run where their 16-bit kernels do: fp8 where hopper does, int8 where ampere does)
     eight_bit = [EIGHT_BIT[t] for t, on in ((torch.float8_e4m3fn, "hopper"), (torch.int8, "ampere")) if on in names]
     variants = ([(n, d, False, True) for n in names for d in (64, 128)]
-                + [("ampere", 256, False, True)] * ("ampere" in names)
+                + ([("ampere", 256, False, True)] if "ampere" in names else [])
                 + [(n, 64, False, p, True) for n in backward for p in (False, True)]
                 + [(n, 64, True, True) for n in backward] + [(n, d) for n in eight_bit for d in EIGHT_BIT_HEAD_DIMS])
     t0 = time.time()
