@@ -1,12 +1,13 @@
 """The exercises' graders work: each FAILS on its untouched starter and PASSES on its solution.
 
-Runs exercises/grade.py's graders in two pytest processes (starters, then solutions with
+Runs exercises/grade.py's graders in two pytest processes at once (starters, and solutions with
 FLASH_EXERCISE_SOLUTIONS=1). The CUDA exercise's kernel runs on the CPU (built with a C++ compiler, one
 thread per CUDA thread) and, where there is one, on the GPU; its nvcc compile check skips, visibly,
 without nvcc. Also: the summary never says PASS for an exercise whose checks all skipped.
 """
 import shutil
 import importlib.util
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -25,15 +26,23 @@ HAS_CXX = any(shutil.which(c) for c in ("c++", "g++", "clang++"))
 
 
 @pytest.fixture(scope="module")
-def starters():
-    results, output, _ = grade.run(EXERCISES, solutions=False, pytest_args=["--tb=no"], quiet=True)
-    return results, output
+def graded():
+    """Both graders' runs at once: each builds its own extension of exercise 07 (half a minute on a fresh machine)."""
+    with ThreadPoolExecutor(2) as pool:
+        runs = {solutions: pool.submit(grade.run, EXERCISES, solutions=solutions, quiet=True,
+                                       pytest_args=["--tb=short" if solutions else "--tb=no"])
+                for solutions in (False, True)}
+        return {solutions: run.result()[:2] for solutions, run in runs.items()}
 
 
 @pytest.fixture(scope="module")
-def solutions():
-    results, output, _ = grade.run(EXERCISES, solutions=True, pytest_args=["--tb=short"], quiet=True)
-    return results, output
+def starters(graded):
+    return graded[False]
+
+
+@pytest.fixture(scope="module")
+def solutions(graded):
+    return graded[True]
 
 
 def test_there_are_at_least_eight_exercises():

@@ -8,6 +8,7 @@ GPU (skipped, visibly, without one): the kernels at W = 1 against float64, with 
 3x the error of PyTorch's SDPA in the same dtype); with two GPUs, a 2-process NCCL ring the same way.
 """
 import math
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
@@ -67,9 +68,20 @@ def gathered(results, case, balanced):
     return [ring.unshard([shards[case][n] for shards in results], balanced) for n in range(len(NAMES))]
 
 
-@pytest.mark.parametrize("world", [1, 2, 3, 4])
-def test_ring_equals_single_process_attention(world):
-    results = ring.launch(world, run_cases, world, CASES)  # results[rank][case]: that rank's shards
+WORLDS = [1, 2, 3, 4]
+
+
+@pytest.fixture(scope="module")
+def rings():
+    """{W: ring.launch for a ring of W, done}: the four rings at once (their processes start in parallel); each test
+    takes its own ring's result, or its exception."""
+    with ThreadPoolExecutor(len(WORLDS)) as pool:
+        return {world: pool.submit(ring.launch, world, run_cases, world, CASES) for world in WORLDS}
+
+
+@pytest.mark.parametrize("world", WORLDS)
+def test_ring_equals_single_process_attention(rings, world):
+    results = rings[world].result()  # results[rank][case]: that rank's shards
     for case, (causal, balanced, H_kv, n_c) in enumerate(CASES):
         want = dense(*full_inputs(world, balanced, H_kv, n_c, case), causal, scale_of(H_kv))
         for name, got, exact in zip(NAMES, gathered(results, case, balanced), want):
