@@ -22,7 +22,7 @@
         --markdown docs/benchmarks.md          # a compiled nanoGPT-style training step, attention by each system
 
 --window W gives every query the W keys before it (and, unless causal, the W after it): flash_attention's
-window=(W, W), or (W, 0) when causal; SDPA and manual attention get the same mask as an N x N attn_mask, which is
+window_size=(W, W), or (W, 0) when causal; SDPA and manual attention get the same mask as an N x N attn_mask, which is
 what they take. TFLOP/s then counts the (query, key) pairs the window keeps.
 
 --dropout P drops each entry of P with probability P in every system: ours in the kernels (checked against the
@@ -249,7 +249,7 @@ def reference_outputs(q, k, v, do, causal, scale, window=(-1, -1), dropout=0.0, 
     dropout: with the mask of dropout_seed = 0, as our systems run it."""
     q, k, v = (t.float() for t in (q, k, v))
     block = max(16, 2 ** int(math.log2((max_block_elements / (q.shape[0] * q.shape[1])) ** 0.5)))
-    options = dict(window=window, dropout_p=dropout, dropout_seed=0)
+    options = dict(window_size=window, dropout_p=dropout, dropout_seed=0)
     O, L = reference.flash_forward(q, k, v, causal, scale, B_r=block, B_c=block, **options)
     if do is None:
         return [O]
@@ -294,12 +294,12 @@ def attention_fn(system, causal, scale, window=(-1, -1), dropout=0.0, determinis
                 return flash_attention_8bit(q, k, v, causal, scale, window, dtype=dtype, transpose_v=transpose_v)
             if "x" not in quantized:
                 quantized["x"] = quantize(q, k, v, dtype, transpose_v=transpose_v)
-            return flash_attention_8bit(quantized["x"], causal=causal, softmax_scale=scale, window=window)
+            return flash_attention_8bit(quantized["x"], causal=causal, softmax_scale=scale, window_size=window)
         return eight_bit
     if system in SDPA:  # enable_gqa: k, v have fewer heads than q (decoding); without it SDPA refuses them
         return lambda q, k, v: torch.nn.functional.scaled_dot_product_attention(
             q, k, v, is_causal=causal, scale=scale, enable_gqa=k.shape[1] < q.shape[1], dropout_p=dropout)
-    return lambda q, k, v: flash_attention(q, k, v, causal=causal, softmax_scale=scale, kernel=system, window=window,
+    return lambda q, k, v: flash_attention(q, k, v, causal=causal, softmax_scale=scale, kernel=system, window_size=window,
                                            dropout_p=dropout, dropout_seed=0 if dropout else None,
                                            deterministic=deterministic)
 

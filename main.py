@@ -376,7 +376,8 @@ def _check_scores(q, window, alibi_slopes, softcap, B):
     """The masks and score modifications (flash.cu's Scores), checked as FlashAttention takes them."""
     if (not isinstance(window, (tuple, list)) or len(window) != 2
             or any(isinstance(w, bool) or not isinstance(w, int) or w < -1 for w in window)):
-        raise ValueError(f"window must be a pair of integers (left, right), each >= -1 (-1: no bound), got {window!r}")
+        raise ValueError(f"window_size must be a pair of integers (left, right), each >= -1 (-1: no bound), "
+                         f"got {window!r}")
     if isinstance(softcap, bool) or not isinstance(softcap, (int, float)) or not math.isfinite(softcap) or softcap < 0:
         raise ValueError(f"softcap must be a finite number >= 0 (0: off), got {softcap!r}")
     if alibi_slopes is not None:
@@ -426,8 +427,9 @@ def _options(causal, window, alibi_slopes, softcap):
     return (left, 0 if causal else right), float(softcap), None if alibi_slopes is None else alibi_slopes.contiguous()
 
 
-def flash_attention(q, k, v, causal=False, softmax_scale=None, kernel="auto", return_lse=False, window=(-1, -1),
-                    alibi_slopes=None, softcap=0.0, dropout_p=0.0, deterministic=None, dropout_seed=None):
+def flash_attention(q, k, v, causal=False, softmax_scale=None, kernel="auto", return_lse=False,
+                    window_size=(-1, -1), alibi_slopes=None, softcap=0.0, dropout_p=0.0, deterministic=None,
+                    dropout_seed=None):
     """softmax(q k^T * softmax_scale) v without an N_q x N_k matrix. q (B, H_q, N_q, d); k, v (B, H_kv, N_k, d),
     where H_kv divides H_q: query head h reads key/value head h // (H_q / H_kv) (grouped-query attention).
 
@@ -440,9 +442,9 @@ def flash_attention(q, k, v, causal=False, softmax_scale=None, kernel="auto", re
     split-KV kernel that spreads the keys over the GPU.
 
     Masks and score modifications, as FlashAttention's arguments of the same names (reference.py has each):
-    window (left, right): query i sees keys j with i + N_k - N_q - left <= j <= i + N_k - N_q + right; -1 is
-    no bound; causal sets right = 0 (a sliding window: causal=True, window=(w, -1)). Key blocks outside every
-    window are never computed. alibi_slopes (H_q,) or (B, H_q), float32: adds -slope_h |i + N_k - N_q - j| to
+    window_size (left, right): query i sees keys j with i + N_k - N_q - left <= j <= i + N_k - N_q + right; -1
+    is no bound; causal sets right = 0 (a sliding window: causal=True, window_size=(w, -1)). Key blocks outside
+    every window are never computed. alibi_slopes (H_q,) or (B, H_q), float32: adds -slope_h |i + N_k - N_q - j| to
     the scaled scores. softcap c > 0: scores become c tanh(scores / c) (after the scale, before ALiBi).
 
     dropout_p: dropout of the attention probabilities P, in the kernels (each entry kept with probability
@@ -454,9 +456,9 @@ def flash_attention(q, k, v, causal=False, softmax_scale=None, kernel="auto", re
     None (the default): as torch.use_deterministic_algorithms asks (off unless a user turned it on).
     """
     _check_dropout(dropout_p, deterministic, dropout_seed)
-    _check_inputs(q, k, v, causal, softmax_scale, kernel, return_lse, window, alibi_slopes, softcap)
+    _check_inputs(q, k, v, causal, softmax_scale, kernel, return_lse, window_size, alibi_slopes, softcap)
     scale = 1.0 / math.sqrt(q.shape[-1]) if softmax_scale is None else float(softmax_scale)
-    window, softcap, alibi_slopes = _options(causal, window, alibi_slopes, softcap)
+    window, softcap, alibi_slopes = _options(causal, window_size, alibi_slopes, softcap)
     dropout = float(dropout_p), _dropout_key(dropout_p, dropout_seed, q.device)
     if torch.compiler.is_compiling() or (torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or
                                                                       v.requires_grad)):
@@ -469,7 +471,7 @@ def flash_attention(q, k, v, causal=False, softmax_scale=None, kernel="auto", re
 
 
 def flash_attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, k=None, v=None, causal=True,
-                                 softmax_scale=None, kernel="auto", return_lse=False, window=(-1, -1),
+                                 softmax_scale=None, kernel="auto", return_lse=False, window_size=(-1, -1),
                                  alibi_slopes=None, softcap=0.0):
     """Attention of new tokens against a KV cache, for generation (inference: no gradients).
 
@@ -480,11 +482,12 @@ def flash_attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, k=None, v=N
     sequence then attends over its own cache_seqlens[b] + N_new keys; with causal (the default) new token i
     sees them up to itself (bottom right). Decoding (N_q <= SPLIT_KV_MAX_QUERIES on a split_kv kernel) reads
     the lengths on the GPU; otherwise each sequence is one flash_attention call on a view of its cache.
-    window, alibi_slopes, softcap: as flash_attention's, aligned to each sequence's own length.
+    window_size, alibi_slopes, softcap: as flash_attention's, aligned to each sequence's own length.
     """
     if not isinstance(k_cache, torch.Tensor) or not isinstance(v_cache, torch.Tensor):
         raise TypeError("k_cache and v_cache must be torch.Tensors")
-    _check_inputs(q, k_cache, v_cache, causal, softmax_scale, kernel, return_lse, window, alibi_slopes, softcap)
+    _check_inputs(q, k_cache, v_cache, causal, softmax_scale, kernel, return_lse, window_size, alibi_slopes,
+                  softcap)
     B, H_kv, N_max, d = k_cache.shape
     if (k is None) != (v is None):
         raise ValueError("give both k and v (the new tokens' keys and values), or neither")
@@ -512,7 +515,7 @@ def flash_attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, k=None, v=N
         k_cache[batch, :, positions] = k.transpose(1, 2)  # indexed as (B, N_new, H_kv, d)
         v_cache[batch, :, positions] = v.transpose(1, 2)
     scale = 1.0 / math.sqrt(d) if softmax_scale is None else float(softmax_scale)
-    window, softcap, alibi_slopes = _options(causal, window, alibi_slopes, softcap)
+    window, softcap, alibi_slopes = _options(causal, window_size, alibi_slopes, softcap)
     kernel = pick_kernel(DTYPES[q.dtype], d, _arch(q.device), kernel, _builds_sm90a())
     if KERNELS[kernel]["split_kv"] and q.shape[2] <= SPLIT_KV_MAX_QUERIES:
         o, L = _run_forward(q, k_cache, v_cache, window, scale, softcap, alibi_slopes, kernel, seqlens + N_new)
@@ -615,15 +618,15 @@ _varlen_forward.register_autograd(_varlen_autograd_backward, setup_context=_varl
 
 
 def flash_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal=False,
-                           softmax_scale=None, kernel="auto", return_lse=False, window=(-1, -1), alibi_slopes=None,
-                           softcap=0.0, dropout_p=0.0, deterministic=None, dropout_seed=None):
+                           softmax_scale=None, kernel="auto", return_lse=False, window_size=(-1, -1),
+                           alibi_slopes=None, softcap=0.0, dropout_p=0.0, deterministic=None, dropout_seed=None):
     """flash_attention on a packed batch of B sequences of different lengths, as FlashAttention's
     flash_attn_varlen_func: q (total_q, H_q, d), k, v (total_k, H_kv, d), the sequences one after another, with
     no padding. Sequence b is rows cu_seqlens_q[b] .. cu_seqlens_q[b+1]-1 of q and cu_seqlens_k[b] ..
     cu_seqlens_k[b+1]-1 of k and v (cu_seqlens: int32 (B + 1,), from 0 to total, on q's device); max_seqlen_q,
     max_seqlen_k: at least the longest sequence's length (they size the grid). Every sequence attends to its
-    own keys only, causal (bottom right), window and ALiBi aligned to its own lengths; alibi_slopes may be (H_q,)
-    or (B, H_q). Returns o (total_q, H_q, d), and with return_lse L (H_q, total_q), float32, FlashAttention's
+    own keys only, causal (bottom right), window_size and ALiBi aligned to its own lengths; alibi_slopes may be
+    (H_q,) or (B, H_q). Returns o (total_q, H_q, d), and with return_lse L (H_q, total_q), float32, FlashAttention's
     layout. Differentiable, L included. dropout_p, deterministic, dropout_seed: as flash_attention's; sequence b
     draws the mask of batch b of a padded batch (reference.dropout_keep(..., first_batch=b)), its rows and keys
     counted from its own start."""
@@ -647,11 +650,11 @@ def flash_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     if B > MAX_GRID:
         raise ValueError(f"B must be at most {MAX_GRID} sequences, got {B}")
     _check_dropout(dropout_p, deterministic, dropout_seed)
-    _check_inputs(*(_as_batch(t) for t in (q, k, v)), causal, softmax_scale, kernel, return_lse, window, alibi_slopes,
-                  softcap, B)
+    _check_inputs(*(_as_batch(t) for t in (q, k, v)), causal, softmax_scale, kernel, return_lse, window_size,
+                  alibi_slopes, softcap, B)
     deterministic = torch.are_deterministic_algorithms_enabled() if deterministic is None else deterministic
     scale = 1.0 / math.sqrt(q.shape[-1]) if softmax_scale is None else float(softmax_scale)
-    window, softcap, alibi_slopes = _options(causal, window, alibi_slopes, softcap)
+    window, softcap, alibi_slopes = _options(causal, window_size, alibi_slopes, softcap)
     o, L = _varlen_forward(q, k, v, cu_seqlens_q.contiguous(), cu_seqlens_k.contiguous(), max_seqlen_q, max_seqlen_k,
                            *window, scale, softcap, alibi_slopes, kernel, float(dropout_p),
                            _dropout_key(dropout_p, dropout_seed, q.device), deterministic)
@@ -780,13 +783,13 @@ def quantize(q, k, v, dtype=torch.float8_e4m3fn, rotate=False, smooth_k=None, tr
     return Quantized(q8, k8, v8, q_scale, k_scale, v_scale, transpose_v, d, q.dtype)
 
 
-def flash_attention_8bit(q, k=None, v=None, causal=False, softmax_scale=None, window=(-1, -1),
+def flash_attention_8bit(q, k=None, v=None, causal=False, softmax_scale=None, window_size=(-1, -1),
                          dtype=torch.float8_e4m3fn, rotate=False, smooth_k=None, transpose_v=None):
     """Attention with 8-bit products, forward only (inference): O (B, H_q, N_q, d) in q's dtype. q, k, v as
     flash_attention's (float16 or bfloat16, d <= 256, requires_grad off), quantized here by quantize(q, k, v, dtype,
     rotate, smooth_k, transpose_v); or q a Quantized from quantize() (k, v None), to quantize once and reuse.
-    causal, softmax_scale, window: as flash_attention's (the default scale from the unpadded d; softmax_scale >= 0).
-    dtype: torch.float8_e4m3fn (Hopper) or torch.int8 (sm_80+). Errors: docs/accuracy.md."""
+    causal, softmax_scale, window_size: as flash_attention's (the default scale from the unpadded d;
+    softmax_scale >= 0). dtype: torch.float8_e4m3fn (Hopper) or torch.int8 (sm_80+). Errors: docs/accuracy.md."""
     if isinstance(q, Quantized):
         if k is not None or v is not None:
             raise ValueError("pass either q, k, v or one Quantized (from quantize()), not both")
@@ -797,12 +800,12 @@ def flash_attention_8bit(q, k=None, v=None, causal=False, softmax_scale=None, wi
                 raise ValueError(f"flash_attention_8bit is forward only (inference) and has no gradient, but {name} "
                                  "requires grad: call it under torch.no_grad() or pass detached tensors")
         x = quantize(q, k, v, dtype, rotate, smooth_k, transpose_v)
-    _check_scores(x.q, window, None, 0.0, x.q.shape[0])
+    _check_scores(x.q, window_size, None, 0.0, x.q.shape[0])
     _check_causal_and_scale(causal, softmax_scale)
     scale = 1.0 / math.sqrt(x.d) if softmax_scale is None else float(softmax_scale)
     if scale < 0:  # (the fp8 kernel takes each row's maximum before scaling: a negative scale would reverse it)
         raise ValueError(f"flash_attention_8bit takes softmax_scale >= 0, got {softmax_scale!r}")
-    (left, right), _, _ = _options(causal, window, None, 0.0)
+    (left, right), _, _ = _options(causal, window_size, None, 0.0)
     if x.q.numel() == 0 or x.k.shape[2] == 0:  # (no keys: O = 0, as flash_attention)
         return x.q.new_zeros(x.q.shape[:-1] + (x.d,), dtype=x.out_dtype)
     o, _ = _forward_8bit(x.q, x.k, x.v, x.q_scale, x.k_scale, x.v_scale, x.v_transposed, left, right, scale,

@@ -20,7 +20,7 @@ The departures from the paper, each of which the kernels share:
     entirely masked are skipped. A query that sees no key at all (causal, N_q > N_k) gets O = 0, L = -inf;
   - grouped-query attention (GQA, the paper's section 3.1; MQA when H_kv = 1): query head h reads
     key/value head h // (H_q / H_kv), and dK, dV sum over the query heads of a group;
-  - masks and score modifications, as FlashAttention's arguments: a window (left, right) around each query's
+  - masks and score modifications, as FlashAttention's arguments: a window_size (left, right) around each query's
     diagonal position i + N_k - N_q (causal is right = 0), ALiBi slopes and a softcap, applied to S_ij in one
     step (_modified, _hidden) before the online softmax; key blocks outside every window are skipped;
   - packed batches of sequences of different lengths (attention_varlen, FlashAttention's varlen layout): each
@@ -155,7 +155,7 @@ def _dropout_block(Q, dropout_p, dropout_seed, r0, r1, c0, c1):
     return (keep * dropout_scale(dropout_p)).to(Q.dtype).reshape(*Q.shape[:-2], r1 - r0, c1 - c0)
 
 
-def attention(Q, K, V, causal=False, softmax_scale=None, window=(-1, -1), alibi_slopes=None, softcap=0.0,
+def attention(Q, K, V, causal=False, softmax_scale=None, window_size=(-1, -1), alibi_slopes=None, softcap=0.0,
               dropout=None):
     """Standard attention softmax(Q K^T * scale) V; builds the whole N_q x N_k matrix (the thing to avoid).
     A row whose keys are all masked gets 0 (FlashAttention's convention; softmax alone would give NaN).
@@ -164,14 +164,14 @@ def attention(Q, K, V, causal=False, softmax_scale=None, window=(-1, -1), alibi_
     N_q, N_k = Q.shape[-2], K.shape[-2]
     S = Q @ K.transpose(-1, -2) * _scale(Q, softmax_scale)                # (..., N_q, N_k)
     S = _modified(S, 0, 0, N_k - N_q, softcap, alibi_slopes)
-    hidden = _hidden(0, N_q, 0, N_k, Q.device, N_k - N_q, _window(causal, window))
+    hidden = _hidden(0, N_q, 0, N_k, Q.device, N_k - N_q, _window(causal, window_size))
     P = torch.softmax(S.masked_fill(hidden, float("-inf")), dim=-1)
     P = P.masked_fill(hidden.all(dim=-1, keepdim=True), 0.0)
     return (P if dropout is None else P * dropout) @ V                     # (..., N_q, d)
 
 
-def flash_forward(Q, K, V, causal=False, softmax_scale=None, B_r=64, B_c=64, key_blocks=None, window=(-1, -1),
-                  alibi_slopes=None, softcap=0.0, dropout_p=0.0, dropout_seed=0, tau=0.0):
+def flash_forward(Q, K, V, causal=False, softmax_scale=None, B_r=64, B_c=64, key_blocks=None,
+                  window_size=(-1, -1), alibi_slopes=None, softcap=0.0, dropout_p=0.0, dropout_seed=0, tau=0.0):
     """Algorithm 1 (forward). Returns O (..., N_q, d) and L (..., N_q), the row log-sum-exp.
     key_blocks: the key blocks j to visit (default: all T_c that the window reaches); split-KV (flash_decode)
     visits one range of them per part and merges the parts. dropout_p > 0: each block draws its Z_ij from
@@ -186,7 +186,7 @@ def flash_forward(Q, K, V, causal=False, softmax_scale=None, B_r=64, B_c=64, key
     K, V = _query_heads(K, Q), _query_heads(V, Q)
     T_r, T_c = math.ceil(N_q / B_r), math.ceil(N_k / B_c)
     shift = N_k - N_q                                                     # query r's diagonal key: r + shift
-    left, right = window = _window(causal, window)
+    left, right = window = _window(causal, window_size)
     O = torch.empty_like(Q)
     L = torch.empty(Q.shape[:-1], dtype=Q.dtype, device=Q.device)
     for i in range(T_r):                                                  # l.3: for 1 <= i <= T_r
@@ -221,7 +221,7 @@ def flash_forward(Q, K, V, causal=False, softmax_scale=None, B_r=64, B_c=64, key
     return O, L
 
 
-def flash_backward(Q, K, V, O, L, dO, causal=False, softmax_scale=None, B_r=64, B_c=64, window=(-1, -1),
+def flash_backward(Q, K, V, O, L, dO, causal=False, softmax_scale=None, B_r=64, B_c=64, window_size=(-1, -1),
                    alibi_slopes=None, softcap=0.0, dropout_p=0.0, dropout_seed=0):
     """Algorithm 2 (backward). Recomputes P_ij from Q_i, K_j and L_i; returns dQ, dK, dV. dropout_p,
     dropout_seed: the forward's; Z_ij is regenerated rather than stored (the first paper's Algorithm 4, lines
@@ -233,7 +233,7 @@ def flash_backward(Q, K, V, O, L, dO, causal=False, softmax_scale=None, B_r=64, 
     K, V = _query_heads(K, Q), _query_heads(V, Q)
     T_r, T_c = math.ceil(N_q / B_r), math.ceil(N_k / B_c)
     shift = N_k - N_q
-    left, right = window = _window(causal, window)
+    left, right = window = _window(causal, window_size)
     D = (dO * O).sum(dim=-1)                                              # l.4: D = rowsum(dO o O)  (..., N_q)
     dQ, dK, dV = torch.zeros_like(Q), torch.zeros_like(K), torch.zeros_like(V)
     for j in range(T_c):                                                  # l.5: for 1 <= j <= T_c
@@ -279,7 +279,7 @@ def flash_decode(Q, K, V, causal=False, softmax_scale=None, splits=4, B_r=64, B_
     own thread block, so a few queries still occupy many SMs); merging the parts by L gives attention over
     all keys. (The paper's section 3.2 fills a GPU by running query blocks in parallel; with a single query
     block, as in decoding, only the keys are left to divide.) Returns O and L, as flash_forward; scores:
-    window, alibi_slopes, softcap, as there."""
+    window_size, alibi_slopes, softcap, as there."""
     T_c = math.ceil(K.shape[-2] / B_c)
     bounds = [T_c * s // splits for s in range(splits + 1)]               # split s: key blocks bounds[s] .. bounds[s+1]-1
     parts = [flash_forward(Q, K, V, causal, softmax_scale, B_r, B_c, range(bounds[s], bounds[s + 1]), **scores)
@@ -290,7 +290,7 @@ def flash_decode(Q, K, V, causal=False, softmax_scale=None, splits=4, B_r=64, B_
     return O, L
 
 
-def attention_varlen(Q, K, V, cu_seqlens_q, cu_seqlens_k, causal=False, softmax_scale=None, window=(-1, -1),
+def attention_varlen(Q, K, V, cu_seqlens_q, cu_seqlens_k, causal=False, softmax_scale=None, window_size=(-1, -1),
                      alibi_slopes=None, softcap=0.0):
     """A packed batch (FlashAttention's varlen layout): Q (total_q, H_q, d), K, V (total_k, H_kv, d), sequence b
     at rows cu_seqlens_q[b] .. cu_seqlens_q[b+1]-1 and cu_seqlens_k[b] .. cu_seqlens_k[b+1]-1. Each sequence is
@@ -302,7 +302,7 @@ def attention_varlen(Q, K, V, cu_seqlens_q, cu_seqlens_k, causal=False, softmax_
         slopes = alibi_slopes[b] if alibi_slopes is not None and alibi_slopes.dim() == 2 else alibi_slopes
         Q_b, K_b, V_b = (X[s:e].transpose(0, 1) for X, s, e in ((Q, q[b], q[b + 1]), (K, k[b], k[b + 1]),
                                                                (V, k[b], k[b + 1])))  # (H, N, d)
-        parts.append(attention(Q_b, K_b, V_b, causal, softmax_scale, window, slopes, softcap).transpose(0, 1))
+        parts.append(attention(Q_b, K_b, V_b, causal, softmax_scale, window_size, slopes, softcap).transpose(0, 1))
     return torch.cat(parts)                                                # (total_q, H_q, d)
 
 
@@ -356,8 +356,8 @@ def quantize_blocks(X, dtype, rows=QUANT_ROWS, value_range=None):
     return X_hat, s
 
 
-def attention_8bit(Q, K, V, dtype=torch.float8_e4m3fn, causal=False, softmax_scale=None, window=(-1, -1), signs=None,
-                   smooth_k=False):
+def attention_8bit(Q, K, V, dtype=torch.float8_e4m3fn, causal=False, softmax_scale=None, window_size=(-1, -1),
+                   signs=None, smooth_k=False):
     """What flash_attention_8bit computes: Q and K (rotated by rotation(d, signs) if signs is given; K minus its
     mean over the keys if smooth_k) quantized by blocks of QUANT_ROWS rows, and S_hat = Q_hat K_hat^T, which the fp8
     kernel sums in fp16 (Q and K scaled to |x_hat| <= fp8_qk_max(d) for that; rounded here once, where the kernel rounds
@@ -383,7 +383,7 @@ def attention_8bit(Q, K, V, dtype=torch.float8_e4m3fn, causal=False, softmax_sca
     if fp8:
         V_hat, s_V = quantize_blocks(V, dtype)
         V = V_hat * per_row(s_V, V.shape[-2])
-    S = S.masked_fill(_hidden(0, N_q, 0, N_k, S.device, N_k - N_q, _window(causal, window)), -math.inf)
+    S = S.masked_fill(_hidden(0, N_q, 0, N_k, S.device, N_k - N_q, _window(causal, window_size)), -math.inf)
     P = torch.exp(S - S.amax(-1, keepdim=True)) * 256
     l = P.sum(-1, keepdim=True)
     if fp8:

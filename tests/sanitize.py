@@ -90,7 +90,7 @@ def run_masks_and_varlen(kernel, dtype):
         grads = torch.autograd.grad(o, xs, torch.randn_like(o))
         assert all(torch.isfinite(t).all() for t in (o, *grads)), f"non-finite output: {kernel} {dtype} masks/varlen"
     slopes = torch.rand(4, device="cuda")
-    scores = dict(window=(20, 5), softcap=5.0, alibi_slopes=slopes)
+    scores = dict(window_size=(20, 5), softcap=5.0, alibi_slopes=slopes)
     q, k, v = (torch.randn(1, H, N, 64, device="cuda", dtype=dtype) for H, N in ((4, 130), (2, 37), (2, 37)))
     dropout = dict(dropout_p=0.2, dropout_seed=1, deterministic=True)
     for extra in ({}, dropout):

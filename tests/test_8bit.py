@@ -184,11 +184,11 @@ def test_largest_scores(dtype, d):
 def test_window_and_quantized_reuse(dtype):
     torch.manual_seed(0)
     q, k, v = (torch.randn(1, 2, 700, 128, device="cuda", dtype=torch.float16) for _ in range(3))
-    exact = reference.attention(q.double(), k.double(), v.double(), window=(100, 20))
+    exact = reference.attention(q.double(), k.double(), v.double(), window_size=(100, 20))
     x = main.quantize(q, k, v, dtype)
-    o = main.flash_attention_8bit(x, window=(100, 20))
+    o = main.flash_attention_8bit(x, window_size=(100, 20))
     assert rmse(o, exact) < 2e-2
-    assert torch.equal(o, main.flash_attention_8bit(x, window=(100, 20)))  # the same inputs, the same bits
+    assert torch.equal(o, main.flash_attention_8bit(x, window_size=(100, 20)))  # the same inputs, the same bits
 
 
 @cuda

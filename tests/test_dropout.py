@@ -131,7 +131,7 @@ def test_dropout_with_masks_and_scores(kernel, dtype):
     torch.manual_seed(3)
     q, k, v = (torch.randn(2, 4, 160, 64, device="cuda", dtype=dtype) for _ in range(3))
     slopes = 2.0 ** (-torch.arange(1, 5, device="cuda", dtype=torch.float32))
-    check(kernel, q, k, v, torch.randn_like(q), True, 0.3, 99, window=(40, -1), alibi_slopes=slopes, softcap=8.0)
+    check(kernel, q, k, v, torch.randn_like(q), True, 0.3, 99, window_size=(40, -1), alibi_slopes=slopes, softcap=8.0)
 
 
 @cuda

@@ -57,7 +57,7 @@ def draw_scores(rng, N_q, N_k, H_q, B, device):
     if rng.random() < 0.5:
         return {}
     side = lambda: -1 if rng.random() < 0.3 else rng.randint(0, max(N_q, N_k))  # noqa: E731
-    scores = {"window": (side(), side())}
+    scores = {"window_size": (side(), side())}
     if rng.random() < 0.4:
         scores["softcap"] = round(rng.uniform(0.5, 20.0), 2)
     if rng.random() < 0.4:

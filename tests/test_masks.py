@@ -23,12 +23,12 @@ CASES = [(k["name"], dtype) for k in list_kernels() if k["available"] for dtype 
 SPLIT_KV = [(name, dtype) for name, dtype in CASES if next(k for k in list_kernels() if k["name"] == name)["split_kv"]]
 
 
-def bias(q, k, causal, window=(-1, -1), alibi_slopes=None, **_):
+def bias(q, k, causal, window_size=(-1, -1), alibi_slopes=None, **_):
     """The window and ALiBi as SDPA's additive float mask (B or 1, H_q, N_q, N_k): -inf where hidden."""
     N_q, N_k = q.shape[2], k.shape[2]
     zeros = torch.zeros(1, q.shape[1], N_q, N_k, device=q.device, dtype=torch.float64)
     B = reference._modified(zeros, 0, 0, N_k - N_q, alibi_slopes=alibi_slopes)
-    hidden = reference._hidden(0, N_q, 0, N_k, q.device, N_k - N_q, reference._window(causal, window))
+    hidden = reference._hidden(0, N_q, 0, N_k, q.device, N_k - N_q, reference._window(causal, window_size))
     return B.masked_fill(hidden, -math.inf)
 
 
@@ -69,17 +69,17 @@ def slopes(*shape):
 
 # (causal, scores, N_q, N_k, H_q, H_kv): each step alone, then together
 PROBLEMS = [
-    (False, dict(window=(16, 8)), 200, 200, 4, 4),                         # a window on both sides
-    (True, dict(window=(32, -1)), 150, 300, 4, 2),                         # sliding window (Mistral), a cache
-    (False, dict(window=(-1, 5)), 130, 70, 4, 1),                          # bounded on the right only
-    (False, dict(window=(0, 0)), 65, 65, 2, 2),                            # the diagonal alone
-    (True, dict(window=(3, -1)), 100, 20, 2, 2),                           # N_q > N_k: rows that see no key
+    (False, dict(window_size=(16, 8)), 200, 200, 4, 4),                         # a window on both sides
+    (True, dict(window_size=(32, -1)), 150, 300, 4, 2),                         # sliding window (Mistral), a cache
+    (False, dict(window_size=(-1, 5)), 130, 70, 4, 1),                          # bounded on the right only
+    (False, dict(window_size=(0, 0)), 65, 65, 2, 2),                            # the diagonal alone
+    (True, dict(window_size=(3, -1)), 100, 20, 2, 2),                           # N_q > N_k: rows that see no key
     (True, dict(alibi_slopes="H"), 200, 200, 4, 4),                        # ALiBi (BLOOM), per head
     (False, dict(alibi_slopes="BH"), 77, 190, 4, 2),                       # ALiBi per batch and head
     (False, dict(softcap=5.0), 200, 200, 4, 4),                            # softcap (Gemma 2)
     (True, dict(softcap=2.0), 129, 65, 4, 4),
-    (True, dict(window=(40, -1), softcap=8.0, alibi_slopes="H"), 150, 280, 8, 2),    # all of it
-    (False, dict(window=(50, 20), softcap=3.0, alibi_slopes="BH"), 260, 100, 4, 1),
+    (True, dict(window_size=(40, -1), softcap=8.0, alibi_slopes="H"), 150, 280, 8, 2),    # all of it
+    (False, dict(window_size=(50, 20), softcap=3.0, alibi_slopes="BH"), 260, 100, 4, 1),
 ]
 
 
@@ -106,8 +106,8 @@ def test_at_other_head_dims(kernel, dtype, d):
     torch.manual_seed(d)
     q, do = (torch.randn(1, 4, 170, d, device="cuda", dtype=DTYPES[dtype]) for _ in range(2))
     k, v = (torch.randn(1, 2, 230, d, device="cuda", dtype=DTYPES[dtype]) for _ in range(2))
-    check(kernel, q, k, v, do, True, window=(70, -1), softcap=6.0, alibi_slopes=slopes(4))
-    check(kernel, q, k, v, do, False, window=(30, 90))
+    check(kernel, q, k, v, do, True, window_size=(70, -1), softcap=6.0, alibi_slopes=slopes(4))
+    check(kernel, q, k, v, do, False, window_size=(30, 90))
 
 
 @pytest.mark.parametrize("kernel, dtype", SPLIT_KV)
@@ -117,7 +117,7 @@ def test_decoding_with_scores(kernel, dtype):
     for B, H_q, H_kv, N_q, N_k in [(1, 8, 2, 1, 5000), (2, 32, 8, 1, 3000), (1, 4, 4, 3, 2000)]:
         q, do = (torch.randn(B, H_q, N_q, 128, device="cuda", dtype=DTYPES[dtype]) for _ in range(2))
         k, v = (torch.randn(B, H_kv, N_k, 128, device="cuda", dtype=DTYPES[dtype]) for _ in range(2))
-        check(kernel, q, k, v, do, True, window=(700, -1))
+        check(kernel, q, k, v, do, True, window_size=(700, -1))
         check(kernel, q * 2, k, v, do, False, softcap=4.0, alibi_slopes=slopes(B, H_q))
 
 
@@ -132,13 +132,13 @@ def test_kvcache_with_scores(kernel, dtype, N_new):
     k_cache, v_cache = (torch.randn(B, H_kv, N_max, d, device="cuda", dtype=DTYPES[dtype]) for _ in range(2))
     k, v = (torch.randn(B, H_kv, N_new, d, device="cuda", dtype=DTYPES[dtype]) for _ in range(2))
     lengths = [0, 37, 350]
-    scores = dict(window=(50, -1), softcap=5.0, alibi_slopes=slopes(B, H_q))
+    scores = dict(window_size=(50, -1), softcap=5.0, alibi_slopes=slopes(B, H_q))
     o = flash_attention_with_kvcache(q, k_cache, v_cache, torch.tensor(lengths, device="cuda"), k, v, kernel=kernel,
                                      **scores)
     for b, n in enumerate(lengths):
         n += N_new  # (k_cache and v_cache now hold the new tokens at n - N_new .. n - 1)
         exact = reference.attention(q[b:b + 1].double(), k_cache[b:b + 1, :, :n].double(),
-                                    v_cache[b:b + 1, :, :n].double(), True, window=(50, -1), softcap=5.0,
+                                    v_cache[b:b + 1, :, :n].double(), True, window_size=(50, -1), softcap=5.0,
                                     alibi_slopes=scores["alibi_slopes"][b])
         err = rel_err(o[b:b + 1], exact)
         assert err < {"float32": 1e-5, "float16": 2e-3, "bfloat16": 1.5e-2}[dtype], f"sequence {b}: relative error {err:.1e}"
@@ -156,7 +156,7 @@ def test_blocks_outside_the_window_are_not_read(kernel, dtype):
     poisoned = [x.clone() for x in clean]
     for x in poisoned[:3]:  # q, k, v; dO stays finite
         x[:, :, :256] = float("nan")
-    attention = lambda q, k, v: flash_attention(q, k, v, True, kernel=kernel, window=(60, -1))  # noqa: E731
+    attention = lambda q, k, v: flash_attention(q, k, v, True, kernel=kernel, window_size=(60, -1))  # noqa: E731
     for name, x, y in zip(["O", "dQ", "dK", "dV"], outputs(attention, *poisoned), outputs(attention, *clean)):
         assert torch.isfinite(x[:, :, 512:]).all(), f"{name}: a block outside every window was read"
         assert rel_err(x[:, :, 512:], y[:, :, 512:].double()) < 1e-2, f"{name} changed where no window reaches the NaN"

@@ -79,7 +79,7 @@ def check(kernel, lengths_q, lengths_k, H_q, H_kv, d, dtype, causal, scale=None,
         S = q_b @ k_b.transpose(-1, -2) * (scale or 1 / math.sqrt(d))
         S = reference._modified(S, 0, 0, ek - sk - (e - s), scores.get("softcap", 0.0), slopes_of(b))
         hidden = reference._hidden(0, e - s, 0, ek - sk, q.device, ek - sk - (e - s),
-                                   reference._window(causal, scores.get("window", (-1, -1))))
+                                   reference._window(causal, scores.get("window_size", (-1, -1))))
         L_exact = torch.logsumexp(S.masked_fill(hidden, -math.inf), -1)
         assert torch.equal(L[:, s:e].isinf(), L_exact.isinf()), f"L is -inf in the wrong rows of sequence {b} ({where})"
         seen = L_exact.isfinite()
@@ -92,8 +92,8 @@ PROBLEMS = [
     ([5, 64, 1, 130, 77], [5, 64, 1, 130, 77], 4, 4, False, {}),
     ([5, 64, 1, 130, 77], [5, 64, 1, 130, 77], 4, 2, True, {}),
     ([3, 0, 200, 65], [40, 9, 0, 300], 4, 1, True, {}),                              # N_q != N_k, empty ones
-    ([100, 17, 129], [100, 17, 129], 4, 2, True, dict(window=(20, -1))),             # sliding window
-    ([100, 17, 129], [150, 30, 64], 4, 4, False, dict(window=(8, 16), softcap=4.0)),
+    ([100, 17, 129], [100, 17, 129], 4, 2, True, dict(window_size=(20, -1))),             # sliding window
+    ([100, 17, 129], [150, 30, 64], 4, 4, False, dict(window_size=(8, 16), softcap=4.0)),
     ([64, 190, 1], [90, 190, 33], 4, 2, True, dict(alibi_slopes="BH")),              # ALiBi per sequence
 ]
 
