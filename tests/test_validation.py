@@ -1,4 +1,5 @@
 """Bad input raises a clear TypeError/ValueError in Python, before anything reaches the GPU."""
+import inspect
 import pathlib
 import re
 
@@ -65,6 +66,24 @@ def test_bad_arguments(kwargs, error, words):
     with pytest.raises(error) as info:
         flash_attention(*qkv(), **kwargs)
     assert words in str(info.value)
+
+
+# The arguments FlashAttention's own functions also take keep their names there (flash_attn_func,
+# flash_attn_varlen_func, flash_attn_with_kvcache), so that a call can switch by keyword without surprises.
+FLASH_ATTN_NAMES = {
+    "flash_attention": {"softmax_scale", "causal", "window_size", "softcap", "alibi_slopes", "dropout_p",
+                        "deterministic"},
+    "flash_attention_varlen": {"cu_seqlens_q", "cu_seqlens_k", "max_seqlen_q", "max_seqlen_k", "softmax_scale",
+                               "causal", "window_size", "softcap", "alibi_slopes", "dropout_p", "deterministic"},
+    "flash_attention_with_kvcache": {"k_cache", "v_cache", "cache_seqlens", "k", "v", "softmax_scale", "causal",
+                                     "window_size", "softcap", "alibi_slopes"},
+}
+
+
+@pytest.mark.parametrize("name", FLASH_ATTN_NAMES)
+def test_arguments_named_as_flash_attention_names_them(name):
+    missing = FLASH_ATTN_NAMES[name] - set(inspect.signature(getattr(main, name)).parameters)
+    assert not missing, f"{name} lacks FlashAttention's argument names {sorted(missing)}"
 
 
 def test_list_kernels_fields():
