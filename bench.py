@@ -299,9 +299,9 @@ def attention_fn(system, causal, scale, window=(-1, -1), dropout=0.0, determinis
     if system in SDPA:  # enable_gqa: k, v have fewer heads than q (decoding); without it SDPA refuses them
         return lambda q, k, v: torch.nn.functional.scaled_dot_product_attention(
             q, k, v, is_causal=causal, scale=scale, enable_gqa=k.shape[1] < q.shape[1], dropout_p=dropout)
-    return lambda q, k, v: flash_attention(q, k, v, causal=causal, softmax_scale=scale, kernel=system, window_size=window,
-                                           dropout_p=dropout, dropout_seed=0 if dropout else None,
-                                           deterministic=deterministic)
+    return lambda q, k, v: flash_attention(q, k, v, causal=causal, softmax_scale=scale, kernel=system,
+                                           window_size=window, dropout_p=dropout,
+                                           dropout_seed=0 if dropout else None, deterministic=deterministic)
 
 
 def only_backend(system):

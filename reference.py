@@ -20,9 +20,10 @@ The departures from the paper, each of which the kernels share:
     entirely masked are skipped. A query that sees no key at all (causal, N_q > N_k) gets O = 0, L = -inf;
   - grouped-query attention (GQA, the paper's section 3.1; MQA when H_kv = 1): query head h reads
     key/value head h // (H_q / H_kv), and dK, dV sum over the query heads of a group;
-  - masks and score modifications, as FlashAttention's arguments: a window_size (left, right) around each query's
-    diagonal position i + N_k - N_q (causal is right = 0), ALiBi slopes and a softcap, applied to S_ij in one
-    step (_modified, _hidden) before the online softmax; key blocks outside every window are skipped;
+  - masks and score modifications, as FlashAttention's arguments: a window, window_size = (left, right),
+    around each query's diagonal position i + N_k - N_q (causal is right = 0), ALiBi slopes and a softcap,
+    applied to S_ij in one step (_modified, _hidden) before the online softmax; key blocks outside every window
+    are skipped;
   - packed batches of sequences of different lengths (attention_varlen, FlashAttention's varlen layout): each
     sequence on its own rows, with its own N_q and N_k;
   - dropout of P_ij, as the first FlashAttention paper's Algorithms 2 and 4 (Dao et al., 2022, appendix B):

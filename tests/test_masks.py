@@ -69,16 +69,16 @@ def slopes(*shape):
 
 # (causal, scores, N_q, N_k, H_q, H_kv): each step alone, then together
 PROBLEMS = [
-    (False, dict(window_size=(16, 8)), 200, 200, 4, 4),                         # a window on both sides
-    (True, dict(window_size=(32, -1)), 150, 300, 4, 2),                         # sliding window (Mistral), a cache
-    (False, dict(window_size=(-1, 5)), 130, 70, 4, 1),                          # bounded on the right only
-    (False, dict(window_size=(0, 0)), 65, 65, 2, 2),                            # the diagonal alone
-    (True, dict(window_size=(3, -1)), 100, 20, 2, 2),                           # N_q > N_k: rows that see no key
+    (False, dict(window_size=(16, 8)), 200, 200, 4, 4),                    # a window on both sides
+    (True, dict(window_size=(32, -1)), 150, 300, 4, 2),                    # sliding window (Mistral), a cache
+    (False, dict(window_size=(-1, 5)), 130, 70, 4, 1),                     # bounded on the right only
+    (False, dict(window_size=(0, 0)), 65, 65, 2, 2),                       # the diagonal alone
+    (True, dict(window_size=(3, -1)), 100, 20, 2, 2),                      # N_q > N_k: rows that see no key
     (True, dict(alibi_slopes="H"), 200, 200, 4, 4),                        # ALiBi (BLOOM), per head
     (False, dict(alibi_slopes="BH"), 77, 190, 4, 2),                       # ALiBi per batch and head
     (False, dict(softcap=5.0), 200, 200, 4, 4),                            # softcap (Gemma 2)
     (True, dict(softcap=2.0), 129, 65, 4, 4),
-    (True, dict(window_size=(40, -1), softcap=8.0, alibi_slopes="H"), 150, 280, 8, 2),    # all of it
+    (True, dict(window_size=(40, -1), softcap=8.0, alibi_slopes="H"), 150, 280, 8, 2),  # all of it
     (False, dict(window_size=(50, 20), softcap=3.0, alibi_slopes="BH"), 260, 100, 4, 1),
 ]
 

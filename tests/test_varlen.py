@@ -91,10 +91,10 @@ def check(kernel, lengths_q, lengths_k, H_q, H_kv, d, dtype, causal, scale=None,
 PROBLEMS = [
     ([5, 64, 1, 130, 77], [5, 64, 1, 130, 77], 4, 4, False, {}),
     ([5, 64, 1, 130, 77], [5, 64, 1, 130, 77], 4, 2, True, {}),
-    ([3, 0, 200, 65], [40, 9, 0, 300], 4, 1, True, {}),                              # N_q != N_k, empty ones
-    ([100, 17, 129], [100, 17, 129], 4, 2, True, dict(window_size=(20, -1))),             # sliding window
+    ([3, 0, 200, 65], [40, 9, 0, 300], 4, 1, True, {}),                        # N_q != N_k, empty ones
+    ([100, 17, 129], [100, 17, 129], 4, 2, True, dict(window_size=(20, -1))),  # sliding window
     ([100, 17, 129], [150, 30, 64], 4, 4, False, dict(window_size=(8, 16), softcap=4.0)),
-    ([64, 190, 1], [90, 190, 33], 4, 2, True, dict(alibi_slopes="BH")),              # ALiBi per sequence
+    ([64, 190, 1], [90, 190, 33], 4, 2, True, dict(alibi_slopes="BH")),        # ALiBi per sequence
 ]
 
 
