@@ -158,10 +158,12 @@ def load(kernel, d=64, packed=False, dropout=False, deterministic=False):
     name = f"flash_{kernel}{variant}_d{d}_sm{'_'.join(tags)}"
     build_dir = os.path.join(ROOT, "build", name)
     library = os.path.join(build_dir, name + ".so")
-    if os.path.exists(library) and os.path.getmtime(library) > max(os.path.getmtime(os.path.join(ROOT, f))
-                                                                   for f in ("flash.cu", "main.py")):
+    building = os.path.exists(os.path.join(build_dir, "lock"))  # another process holds torch's build lock
+    if not building and os.path.exists(library) and os.path.getmtime(library) > max(
+            os.path.getmtime(os.path.join(ROOT, f)) for f in ("flash.cu", "main.py")):
         # built after the last edit of its sources: import it as it is (torch's loader would first start
-        # ninja to check that, which costs seconds)
+        # ninja to check that, which costs seconds). Not while another process builds it: its linker may be
+        # writing the library (a notebook's import saw it half written while main.py built)
         spec = importlib.util.spec_from_file_location(name, library)
         _extensions[key] = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(_extensions[key])
