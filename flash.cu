@@ -1437,31 +1437,38 @@ __device__ void bwd_ampere_P_and_dS(float (&S)[B_r / 8][4], float (&dP)[B_r / 8]
                                     float slope) {
   const Mask& mask = sc.mask;
   const int N_q = mask.N_q;
-  uint32_t keep[2];  // dropout: of queries 8nt + 2t, + 1 (nt even, and nt + 1) with keys c, c + 8
-
+  // step(P, dS, r, c, L_i, dP_ij - D_i) on every entry (key c, query r) of P^T and dS^T, S_ij in P and dP_ij in dS
+  // on the way in; dropout: dV_j takes P_ij o Z_ij, and dS_ij takes dP_ij o Z_ij (the first paper's Algorithm 4)
+  auto each_entry = [&](auto step) {
+    uint32_t keep[2];  // dropout: of queries 8nt + 2t, + 1 (nt even, and nt + 1) with keys c, c + 8
 #pragma unroll
-  for (int nt = 0; nt < B_r / 8; nt++) {
-    const float2 L_r = *reinterpret_cast<const float2*>(&L_i[8 * nt + 2 * t]);  // queries 8nt + 2t, + 1
-    const float2 D_r = *reinterpret_cast<const float2*>(&D_i[8 * nt + 2 * t]);
-    if (DROPOUT && nt % 2 == 0) sc.dropout.keep_bits_transposed(keep, row0 + 8 * nt + 2 * t, key);
+    for (int nt = 0; nt < B_r / 8; nt++) {
+      const float2 L_r = *reinterpret_cast<const float2*>(&L_i[8 * nt + 2 * t]);  // queries 8nt + 2t, + 1
+      const float2 D_r = *reinterpret_cast<const float2*>(&D_i[8 * nt + 2 * t]);
+      if (DROPOUT && nt % 2 == 0) sc.dropout.keep_bits_transposed(keep, row0 + 8 * nt + 2 * t, key);
 #pragma unroll
-    for (int e = 0; e < 4; e++) {  // entry (key c, query r) of P^T and dS^T
-      const int c = key + 8 * (e / 2), r = row0 + 8 * nt + 2 * t + e % 2;
-      const float L_r_e = e % 2 ? L_r.y : L_r.x, D_r_e = e % 2 ? D_r.y : D_r.x;
-      // dropout: dV_j takes P_ij o Z_ij, and dS_ij takes dP_ij o Z_ij (the first paper's Algorithm 4)
-      const float Z = DROPOUT ? sc.dropout.Z(keep[e % 2], 4 * (e / 2) + 2 * (nt % 2)) : 1.f;
-      const float dP_Z = DROPOUT ? dP[nt][e] * Z : dP[nt][e];
-      if (sc.plain()) {
-        const bool seen = !edge || ((r < N_q) & !mask.hides(r, c));
-        S[nt][e] = seen ? exp2_ftz(S[nt][e] * scale_log2 - L_r_e * LOG2E) : 0.f;  // l.11: P_ij = exp(S_ij - L_i)
-        dP[nt][e] = S[nt][e] * (dP_Z - D_r_e);                                  // l.14: dS_ij = P o (dP - D_i)
-      } else {  // the same two lines through Scores' steps
-        sc.probability_and_gradient(S[nt][e], r, c, slope, L_r_e * LOG2E, dP_Z - D_r_e, S[nt][e], dP[nt][e]);
-        if (r >= N_q) S[nt][e] = dP[nt][e] = 0.f;
+      for (int e = 0; e < 4; e++) {
+        const float Z = DROPOUT ? sc.dropout.Z(keep[e % 2], 4 * (e / 2) + 2 * (nt % 2)) : 1.f;
+        const float dP_Z = DROPOUT ? dP[nt][e] * Z : dP[nt][e];
+        step(S[nt][e], dP[nt][e], row0 + 8 * nt + 2 * t + e % 2, key + 8 * (e / 2), e % 2 ? L_r.y : L_r.x,
+             dP_Z - (e % 2 ? D_r.y : D_r.x));
+        if (DROPOUT) S[nt][e] *= Z;
       }
-      if (DROPOUT) S[nt][e] *= Z;
     }
-  }
+  };
+  // (sc.plain() is tested outside the loops, as in bwd_hopper_P_and_dS: inside them, it cut the unrolled loop
+  // into a branch per entry, and forward + backward ran 0.84-0.87x as fast on an H200, 0.77-0.84x deterministic)
+  if (sc.plain())
+    each_entry([&](float& P, float& dS, int r, int c, float L_r, float dP_minus_D) {
+      const bool seen = !edge || ((r < N_q) & !mask.hides(r, c));
+      P = seen ? exp2_ftz(P * scale_log2 - L_r * LOG2E) : 0.f;  // l.11: P_ij = exp(S_ij - L_i)
+      dS = P * dP_minus_D;                                      // l.14: dS_ij = P o (dP - D_i)
+    });
+  else  // the same two lines through Scores' steps
+    each_entry([&](float& P, float& dS, int r, int c, float L_r, float dP_minus_D) {
+      sc.probability_and_gradient(P, r, c, slope, L_r * LOG2E, dP_minus_D, P, dS);
+      if (r >= N_q) P = dS = 0.f;
+    });
 }
 
 // l.15 of the ampere backward, dQ_i += dS_ij K_j over the block's B_c keys, dS_ij^T (B_c, B_r) and K_j (B_c, d) in
@@ -1681,22 +1688,28 @@ flash_bwd_dq_ampere(Rows<const T> Q, Rows<const T> K, Rows<const T> V, Rows<cons
       }
     }
     const bool edge = mask.any(row0, B_r, col0, B_c);  // any entry to zero?
-    uint32_t keep = 0;  // dropout: the keep bits of tiles nt .. nt + 3 (nt % 4 = 0)
+    auto each_entry = [&](auto step) {  // step(P, dS, r, c, e) on every entry (query r, key c), as the backward's
+      uint32_t keep = 0;  // dropout: the keep bits of tiles nt .. nt + 3 (nt % 4 = 0)
 #pragma unroll
-    for (int nt = 0; nt < B_c / 8; nt++)
+      for (int nt = 0; nt < B_c / 8; nt++)
 #pragma unroll
-      for (int e = 0; e < 4; e++) {  // entry (query r_e, key c) of P and dS
-        const int r_e = r + 8 * (e / 2), c = col0 + 8 * nt + 2 * t + e % 2;
-        if (DROPOUT && nt % 4 == 0 && e == 0) keep = sc.dropout.keep_bits(r_e, c);
-        const float dP_Z = DROPOUT ? dP[nt][e] * sc.dropout.Z(keep, Dropout::slot(r_e, c)) : dP[nt][e];
-        if (sc.plain()) {
-          const bool seen = !edge || !mask.hides(r_e, c);
-          S[nt][e] = seen ? exp2_ftz(S[nt][e] * sc.scale_log2 - L_r[e / 2]) : 0.f;  // l.11: P_ij = exp(S_ij - L_i)
-          dP[nt][e] = S[nt][e] * (dP_Z - D_r[e / 2]);                             // l.14: dS_ij = P o (dP - D_i)
-        } else {  // the same two lines through Scores' steps
-          sc.probability_and_gradient(S[nt][e], r_e, c, slope, L_r[e / 2], dP_Z - D_r[e / 2], S[nt][e], dP[nt][e]);
+        for (int e = 0; e < 4; e++) {
+          const int r_e = r + 8 * (e / 2), c = col0 + 8 * nt + 2 * t + e % 2;
+          if (DROPOUT && nt % 4 == 0 && e == 0) keep = sc.dropout.keep_bits(r_e, c);
+          if (DROPOUT) dP[nt][e] *= sc.dropout.Z(keep, Dropout::slot(r_e, c));
+          step(S[nt][e], dP[nt][e], r_e, c, e);
         }
-      }
+    };
+    if (sc.plain())  // (tested outside the loops: see bwd_ampere_P_and_dS)
+      each_entry([&](float& P, float& dS, int r_e, int c, int e) {
+        const bool seen = !edge || !mask.hides(r_e, c);
+        P = seen ? exp2_ftz(P * sc.scale_log2 - L_r[e / 2]) : 0.f;  // l.11: P_ij = exp(S_ij - L_i)
+        dS = P * (dS - D_r[e / 2]);                                 // l.14: dS_ij = P o (dP - D_i)
+      });
+    else  // the same two lines through Scores' steps
+      each_entry([&](float& P, float& dS, int r_e, int c, int e) {
+        sc.probability_and_gradient(P, r_e, c, slope, L_r[e / 2], dS - D_r[e / 2], P, dS);
+      });
 #pragma unroll
     for (int kk = 0; kk < B_c / 16; kk++) {                                 // l.15: dQ_i += dS_ij K_j
       uint32_t dS_frag[4];  // the dS accumulators of tiles 2kk, 2kk+1 are the A fragment of slice kk
@@ -3658,10 +3671,10 @@ void bwd_ampere(const at::Tensor& Q, const at::Tensor& K, const at::Tensor& V, c
                 const Scores& sc, float scale, cudaStream_t stream) {
   // Eight warps, B_c = 128 keys: against four warps and B_c = 64, each Q_i, dO_i tile in shared memory serves
   // twice as many warps and dQ gets half as many atomic adds per FLOP. B_r = 128 (d <= 64) or 64 as
-  // FlashAttention-2 on sm_80 (255 registers at d = 128; nvcc 13.0: no spills for sm_80, sm_86 and sm_89, 20 and
-  // 40 bytes for sm_90a at d = 64 and 128, where the hopper kernel runs instead). Past d = 128 each
-  // block writes DC = d/2 columns (see the kernel) and has four warps: its tiles then take 162 KB at d = 192,
-  // 211 KB at d = 256.
+  // FlashAttention-2 on sm_80 (255 registers at d = 128; nvcc 13.0 spills 56 and 8 bytes for sm_80 at d = 64 and
+  // 128, 68 and 40 for sm_90a, where the hopper kernel runs instead, none in sm_86's and sm_89's smaller tiles
+  // below). Past d = 128 each block writes DC = d/2 columns (see the kernel) and has four warps: its tiles then
+  // take 162 KB at d = 192, 211 KB at d = 256.
   // Where a block gets less shared memory (sm_86 and sm_89: 99 KB; an A100 at d = 256: 163 KB), the warps and
   // B_r are halved together, so that each warp keeps its share of dQ_i, until the tiles fit.
   constexpr int B_c = 16 * NW, DC = d <= 128 ? d : d / 2;

@@ -165,9 +165,13 @@ def attention(Q, K, V, causal=False, softmax_scale=None, window_size=(-1, -1), a
     N_q, N_k = Q.shape[-2], K.shape[-2]
     S = Q @ K.transpose(-1, -2) * _scale(Q, softmax_scale)                # (..., N_q, N_k)
     S = _modified(S, 0, 0, N_k - N_q, softcap, alibi_slopes)
-    hidden = _hidden(0, N_q, 0, N_k, Q.device, N_k - N_q, _window(causal, window_size))
-    P = torch.softmax(S.masked_fill(hidden, float("-inf")), dim=-1)
-    P = P.masked_fill(hidden.all(dim=-1, keepdim=True), 0.0)
+    window = _window(causal, window_size)
+    if window == (-1, -1):                                                # no mask: no passes over S and P for it
+        P = torch.softmax(S, dim=-1)
+    else:
+        hidden = _hidden(0, N_q, 0, N_k, Q.device, N_k - N_q, window)
+        P = torch.softmax(S.masked_fill(hidden, float("-inf")), dim=-1)
+        P = P.masked_fill(hidden.all(dim=-1, keepdim=True), 0.0)
     return (P if dropout is None else P * dropout) @ V                     # (..., N_q, d)
 
 
