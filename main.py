@@ -158,16 +158,18 @@ def load(kernel, d=64, packed=False, dropout=False, deterministic=False):
     name = f"flash_{kernel}{variant}_d{d}_sm{'_'.join(tags)}"
     build_dir = os.path.join(ROOT, "build", name)
     library = os.path.join(build_dir, name + ".so")
-    building = os.path.exists(os.path.join(build_dir, "lock"))  # another process holds torch's build lock
-    if not building and os.path.exists(library) and os.path.getmtime(library) > max(
-            os.path.getmtime(os.path.join(ROOT, f)) for f in ("flash.cu", "main.py")):
+    if os.path.exists(library) and os.path.getmtime(library) > max(os.path.getmtime(os.path.join(ROOT, f))
+                                                                   for f in ("flash.cu", "main.py")):
         # built after the last edit of its sources: import it as it is (torch's loader would first start
-        # ninja to check that, which costs seconds). Not while another process builds it: its linker may be
-        # writing the library (a notebook's import saw it half written while main.py built)
+        # ninja to check that, which costs seconds)
         spec = importlib.util.spec_from_file_location(name, library)
-        _extensions[key] = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(_extensions[key])
-        return _extensions[key]
+        try:
+            module = importlib.util.module_from_spec(spec)
+            spec.loader.exec_module(module)
+            _extensions[key] = module
+            return module
+        except ImportError:  # half written: another process is linking it (torch's loader below waits for that)
+            pass
     from torch.utils.cpp_extension import load as load_extension
     os.makedirs(build_dir, exist_ok=True)
     print(f"Building the {kernel} kernel, d = {d}{variant.replace('_', ', ')}, for sm_{', sm_'.join(tags)} "
