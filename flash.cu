@@ -454,10 +454,11 @@ __device__ void load_cols(float (&x)[d / 16], const float* row, int tx) {
 // Grid (T_r, H_q, B): one block per query block Q_i of one head; heavy causal blocks (large i) start first.
 // Block: 128 threads as 8 (ty) x 16 (tx). Thread (ty, tx) owns rows ty*TM .. ty*TM+TM-1 of S_ij and O_i,
 // columns tx + 16*n of S_ij (n < TN) and columns col(tx, e) of O_i (e < TX). The 16 threads that share a
-// row sit in one half-warp, so row max and row sum are shuffles, never shared memory. (Bounds (128, 1): with
-// no minimum of blocks per SM, ptxas held the d = 256 tiles to 168 registers and spilled 24 bytes.)
+// row sit in one half-warp, so row max and row sum are shuffles, never shared memory. Bounds: at d <= 128 shared
+// memory leaves room for 3 blocks an SM, and registers are held to that; at d = 256 (1 block), a minimum of
+// blocks per SM made ptxas hold the tiles to 168 registers and spill 24 bytes.
 template <int d, int B_r, int B_c>
-__global__ void __launch_bounds__(128, 1)
+__global__ void __launch_bounds__(128, d <= 128 ? 3 : 1)
 flash_fwd_fp32(Rows<const float> Q, Rows<const float> K, Rows<const float> V, Rows<float> O, float* __restrict__ L,
                Scores sc, int group) {
   constexpr int TM = B_r / 8, TN = B_c / 16, TX = d / 16, ld = d + 4, ldP = B_r + 4;
@@ -490,15 +491,22 @@ flash_fwd_fp32(Rows<const float> Q, Rows<const float> K, Rows<const float> V, Ro
     float S_ij[TM][TN] = {};                                               // l.8: S_ij = Q_i K_j^T
     thread_tile_XYt<TM, TN, d>(S_ij, Q_s, K_s, ld, tx, ty);
     __syncthreads();  // every thread is done reading K_j: P_ij^T overwrites it below
+    // S_ij through Scores' steps. Plain scores (no softcap, no ALiBi) need only the scale and the mask, and that
+    // test is made once, outside the loops: with every step in the loop body, ptxas left l.9's loop rolled and
+    // kept S_ij and O_i in local memory.
+    auto each_entry = [&](auto step) {
+      for (int m = 0; m < TM; m++)
+        for (int n = 0; n < TN; n++) S_ij[m][n] = step(S_ij[m][n], row0 + ty * TM + m, j * B_c + tx + 16 * n);
+    };
+    if (sc.plain())
+      each_entry([&](float S, int r, int c) { return mask.hides(r, c) ? -INFINITY : S * sc.scale_log2; });
+    else
+      each_entry([&](float S, int r, int c) { return sc.score<true>(S, r, c, slope); });
 
     for (int m = 0; m < TM; m++) {                                         // l.9: online softmax, row by row
       const int r = row0 + ty * TM + m;
       float rowmax = m_i[m];
-      for (int n = 0; n < TN; n++) {
-        const int c = j * B_c + tx + 16 * n;
-        S_ij[m][n] = sc.score<true>(S_ij[m][n], r, c, slope);              //      S_ij through Scores' steps
-        rowmax = fmaxf(rowmax, S_ij[m][n]);
-      }
+      for (int n = 0; n < TN; n++) rowmax = fmaxf(rowmax, S_ij[m][n]);
       for (int off = 8; off > 0; off /= 2) rowmax = fmaxf(rowmax, __shfl_xor_sync(~0u, rowmax, off));
       const float alpha = exp2f(m_i[m] - rowmax);                          // e^(m^(j-1) - m^(j))
       float rowsum = 0.f;
@@ -549,15 +557,28 @@ __device__ void bwd_P_and_dS_fp32(const float* Q_s, const float* K_s, const floa
   float S_ij[TM][TN] = {}, dP_ij[TM][TN] = {};
   thread_tile_XYt<TM, TN, d>(S_ij, Q_s, K_s, ld, tx, ty);                  // l.10: S_ij = Q_i K_j^T
   thread_tile_XYt<TM, TN, d>(dP_ij, dO_s, V_s, ld, tx, ty);                // l.13: dP_ij = dO_i V_j^T
-  for (int m = 0; m < TM; m++)
-    for (int n = 0; n < TN; n++) {
-      const int r = row0 + ty * TM + m, c = col0 + tx + 16 * n;
-      // dropout: dV_j takes P_ij o Z_ij, and dS_ij takes dP_ij o Z_ij (the first paper's Algorithm 4)
-      const float Z = DROPOUT ? sc.dropout.Z(r, c) : 1.f;
-      float P, dS;  // l.11: P_ij = exp(S_ij - L_i);  l.14: dS_ij = P o (dP - D_i), through Scores' steps
-      sc.probability_and_gradient<true>(S_ij[m][n], r, c, slope, L_i[m], dP_ij[m][n] * Z - D_i[m], P, dS);
-      store(m, n, P * Z, dS);
-    }
+  auto each_entry = [&](auto step) {  // step(S, r, c, L_i, dP - D_i, P, dS) on every entry, then store
+#pragma unroll
+    for (int m = 0; m < TM; m++)
+#pragma unroll
+      for (int n = 0; n < TN; n++) {
+        const int r = row0 + ty * TM + m, c = col0 + tx + 16 * n;
+        // dropout: dV_j takes P_ij o Z_ij, and dS_ij takes dP_ij o Z_ij (the first paper's Algorithm 4)
+        const float Z = DROPOUT ? sc.dropout.Z(r, c) : 1.f;
+        float P, dS;
+        step(S_ij[m][n], r, c, L_i[m], dP_ij[m][n] * Z - D_i[m], P, dS);
+        store(m, n, P * Z, dS);
+      }
+  };
+  if (sc.plain())  // (tested outside the loops: see flash_fwd_fp32)
+    each_entry([&](float S, int r, int c, float L, float dP_minus_D, float& P, float& dS) {
+      P = sc.mask.hides(r, c) ? 0.f : exp2f(S * sc.scale_log2 - L);  // l.11: P_ij = exp(S_ij - L_i)
+      dS = P * dP_minus_D;                                             // l.14: dS_ij = P o (dP - D_i)
+    });
+  else  // the same two lines through Scores' steps
+    each_entry([&](float S, int r, int c, float L, float dP_minus_D, float& P, float& dS) {
+      sc.probability_and_gradient<true>(S, r, c, slope, L, dP_minus_D, P, dS);
+    });
 }
 
 // ------------------------------------------------------------------------------------------------------
@@ -1437,8 +1458,9 @@ __device__ void bwd_ampere_P_and_dS(float (&S)[B_r / 8][4], float (&dP)[B_r / 8]
                                     float slope) {
   const Mask& mask = sc.mask;
   const int N_q = mask.N_q;
-  // step(P, dS, r, c, L_i, dP_ij - D_i) on every entry (key c, query r) of P^T and dS^T, S_ij in P and dP_ij in dS
-  // on the way in; dropout: dV_j takes P_ij o Z_ij, and dS_ij takes dP_ij o Z_ij (the first paper's Algorithm 4)
+  // step(P, dS, r, c, L_i log2(e), dP_ij - D_i) on every entry (key c, query r) of P^T and dS^T, S_ij in P and
+  // dP_ij in dS on the way in; dropout: dV_j takes P_ij o Z_ij, and dS_ij takes dP_ij o Z_ij (the first paper's
+  // Algorithm 4)
   auto each_entry = [&](auto step) {
     uint32_t keep[2];  // dropout: of queries 8nt + 2t, + 1 (nt even, and nt + 1) with keys c, c + 8
 #pragma unroll
@@ -1450,7 +1472,7 @@ __device__ void bwd_ampere_P_and_dS(float (&S)[B_r / 8][4], float (&dP)[B_r / 8]
       for (int e = 0; e < 4; e++) {
         const float Z = DROPOUT ? sc.dropout.Z(keep[e % 2], 4 * (e / 2) + 2 * (nt % 2)) : 1.f;
         const float dP_Z = DROPOUT ? dP[nt][e] * Z : dP[nt][e];
-        step(S[nt][e], dP[nt][e], row0 + 8 * nt + 2 * t + e % 2, key + 8 * (e / 2), e % 2 ? L_r.y : L_r.x,
+        step(S[nt][e], dP[nt][e], row0 + 8 * nt + 2 * t + e % 2, key + 8 * (e / 2), (e % 2 ? L_r.y : L_r.x) * LOG2E,
              dP_Z - (e % 2 ? D_r.y : D_r.x));
         if (DROPOUT) S[nt][e] *= Z;
       }
@@ -1459,14 +1481,14 @@ __device__ void bwd_ampere_P_and_dS(float (&S)[B_r / 8][4], float (&dP)[B_r / 8]
   // (sc.plain() is tested outside the loops, as in bwd_hopper_P_and_dS: inside them, it cut the unrolled loop
   // into a branch per entry, and forward + backward ran 0.84-0.87x as fast on an H200, 0.77-0.84x deterministic)
   if (sc.plain())
-    each_entry([&](float& P, float& dS, int r, int c, float L_r, float dP_minus_D) {
+    each_entry([&](float& P, float& dS, int r, int c, float L_log2, float dP_minus_D) {
       const bool seen = !edge || ((r < N_q) & !mask.hides(r, c));
-      P = seen ? exp2_ftz(P * scale_log2 - L_r * LOG2E) : 0.f;  // l.11: P_ij = exp(S_ij - L_i)
-      dS = P * dP_minus_D;                                      // l.14: dS_ij = P o (dP - D_i)
+      P = seen ? exp2_ftz(P * scale_log2 - L_log2) : 0.f;  // l.11: P_ij = exp(S_ij - L_i)
+      dS = P * dP_minus_D;                                 // l.14: dS_ij = P o (dP - D_i)
     });
   else  // the same two lines through Scores' steps
-    each_entry([&](float& P, float& dS, int r, int c, float L_r, float dP_minus_D) {
-      sc.probability_and_gradient(P, r, c, slope, L_r * LOG2E, dP_minus_D, P, dS);
+    each_entry([&](float& P, float& dS, int r, int c, float L_log2, float dP_minus_D) {
+      sc.probability_and_gradient(P, r, c, slope, L_log2, dP_minus_D, P, dS);
       if (r >= N_q) P = dS = 0.f;
     });
 }
@@ -1688,7 +1710,7 @@ flash_bwd_dq_ampere(Rows<const T> Q, Rows<const T> K, Rows<const T> V, Rows<cons
       }
     }
     const bool edge = mask.any(row0, B_r, col0, B_c);  // any entry to zero?
-    auto each_entry = [&](auto step) {  // step(P, dS, r, c, e) on every entry (query r, key c), as the backward's
+    auto each_entry = [&](auto step) {  // as bwd_ampere_P_and_dS's, on every entry (query r_e, key c) of P and dS
       uint32_t keep = 0;  // dropout: the keep bits of tiles nt .. nt + 3 (nt % 4 = 0)
 #pragma unroll
       for (int nt = 0; nt < B_c / 8; nt++)
@@ -1696,19 +1718,18 @@ flash_bwd_dq_ampere(Rows<const T> Q, Rows<const T> K, Rows<const T> V, Rows<cons
         for (int e = 0; e < 4; e++) {
           const int r_e = r + 8 * (e / 2), c = col0 + 8 * nt + 2 * t + e % 2;
           if (DROPOUT && nt % 4 == 0 && e == 0) keep = sc.dropout.keep_bits(r_e, c);
-          if (DROPOUT) dP[nt][e] *= sc.dropout.Z(keep, Dropout::slot(r_e, c));
-          step(S[nt][e], dP[nt][e], r_e, c, e);
+          const float dP_Z = DROPOUT ? dP[nt][e] * sc.dropout.Z(keep, Dropout::slot(r_e, c)) : dP[nt][e];
+          step(S[nt][e], dP[nt][e], r_e, c, L_r[e / 2], dP_Z - D_r[e / 2]);
         }
     };
     if (sc.plain())  // (tested outside the loops: see bwd_ampere_P_and_dS)
-      each_entry([&](float& P, float& dS, int r_e, int c, int e) {
-        const bool seen = !edge || !mask.hides(r_e, c);
-        P = seen ? exp2_ftz(P * sc.scale_log2 - L_r[e / 2]) : 0.f;  // l.11: P_ij = exp(S_ij - L_i)
-        dS = P * (dS - D_r[e / 2]);                                 // l.14: dS_ij = P o (dP - D_i)
+      each_entry([&](float& P, float& dS, int r_e, int c, float L_log2, float dP_minus_D) {
+        P = !edge || !mask.hides(r_e, c) ? exp2_ftz(P * sc.scale_log2 - L_log2) : 0.f;  // l.11: P_ij = exp(S_ij - L_i)
+        dS = P * dP_minus_D;                                                          // l.14: dS_ij = P o (dP - D_i)
       });
     else  // the same two lines through Scores' steps
-      each_entry([&](float& P, float& dS, int r_e, int c, int e) {
-        sc.probability_and_gradient(P, r_e, c, slope, L_r[e / 2], dS - D_r[e / 2], P, dS);
+      each_entry([&](float& P, float& dS, int r_e, int c, float L_log2, float dP_minus_D) {
+        sc.probability_and_gradient(P, r_e, c, slope, L_log2, dP_minus_D, P, dS);
       });
 #pragma unroll
     for (int kk = 0; kk < B_c / 16; kk++) {                                 // l.15: dQ_i += dS_ij K_j
