@@ -467,7 +467,7 @@ flash_fwd_fp32(Rows<const float> Q, Rows<const float> K, Rows<const float> V, Ro
   float* Q_s = smem;              // Q_i          (B_r, d)   row stride ld (padding: see thread_tile_XYt)
   float* K_s = Q_s + B_r * ld;    // K_j          (B_c, d)   row stride ld
   float* P_s = K_s;               // P_ij^T       (B_c, B_r) row stride ldP: replaces K_j once S_ij is done,
-                                  //              so a block needs less shared memory and 4 fit on an SM
+                                  //              so a block needs less shared memory (notebook 04)
   float* V_s = K_s + KP;          // V_j          (B_c, d)   row stride d
   const int tx = threadIdx.x % 16, ty = threadIdx.x / 16;
   const Mask mask = sc.mask = sc.mask.sequence();
