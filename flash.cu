@@ -2214,7 +2214,8 @@ __device__ void to_A_fragments(uint32_t (&A)[n / 16][4], const float (&S)[n / 8]
 //          wait for O_i; release block n's stage; O_i *= alpha; P_i,n+1 from S
 //   last block: O_i += P_in V_n
 // The consumers take turns to issue (named barrier c is consumer c's turn), so that while one waits for its
-// products the other's softmax has the CUDA cores, and the tensor cores always have work. The kernel gives its
+// products the other's softmax has the CUDA cores, and the tensor cores always have work (NWG = 1: every turn is
+// its own; the other block on the SM plays the second consumer's part). The kernel gives its
 // stages' mbarriers full(s), complete when S_in may read block n's stage, and empty(s), on which each warp arrives
 // once P_in V_n has read it; with split_KV also K_empty(s), on which each warp arrives once S_in has read K_j, so
 // that K_j's half of the stage refills before empty; and the steps: ready_PV(n) waits until P_in V_n may read the
@@ -2295,7 +2296,9 @@ __device__ void store_panels(uint32_t tile, uint32_t panel_bytes, const float (&
 // Registers per thread for the consumer warpgroups of a Hopper forward after setmaxnreg, when the producer keeps
 // producer_regs: the rest of the SM's 64 K shared by NWG warpgroups of 128 threads, in multiples of 8 (producer 24:
 // 240 for NWG = 2, 160 for NWG = 3).
-constexpr int consumer_registers(int producer_regs, int NWG) { return (65536 / 128 - producer_regs) / NWG / 8 * 8; }
+constexpr int consumer_registers(int producer_regs, int NWG, int blocks = 1) {  // blocks: that share an SM
+  return (65536 / blocks / 128 - producer_regs) / NWG / 8 * 8;
+}
 
 // The hopper forward's shared memory, from `Q` (1024-aligned: the 128-byte swizzle repeats every 1024 bytes): Q_i
 // (B_r, d), STAGES stages of K_j and V_j (B_c, d), each in panels of 64 columns (128-byte rows), then the mbarriers,
@@ -2311,7 +2314,10 @@ struct FwdTiles {
   static constexpr bool split_KV = STAGES == 2;
   static constexpr uint32_t Q_bytes = B_r * 128 * panels(d), KV_bytes = B_c * 128 * panels(d);  // one tile
   static constexpr size_t bytes = Q_bytes + 2 * STAGES * KV_bytes + 8 * (1 + 4 * STAGES) + 1024;
-  static constexpr int producer_regs = 24, consumer_regs = consumer_registers(producer_regs, NWG);  // (setmaxnreg)
+  // blocks that share an SM: one consumer's block (short masked rows, d <= 64: see fwd_hopper) takes 105 KB at
+  // d = 64 and 128 registers a thread at its launch, so two fit; the others take the SM's registers alone
+  static constexpr int blocks = NWG == 1 ? 2 : 1;
+  static constexpr int producer_regs = 24, consumer_regs = consumer_registers(producer_regs, NWG, blocks);
   uint32_t Q;
   __device__ uint32_t K(int s) const { return Q + Q_bytes + 2 * s * KV_bytes; }  // K_j in stage s (B_c, d)
   __device__ uint32_t V(int s) const { return K(s) + KV_bytes; }                  // V_j in stage s (B_c, d)
@@ -2355,10 +2361,11 @@ __device__ void fwd_hopper_producer(const FwdTiles<d, NWG, B_c, STAGES>& tiles, 
 }
 
 // fp16/bf16 forward on Hopper (sm_90a): FlashAttention-2's Algorithm 1 with FlashAttention-3's machinery.
-// Grid (T_r, H_q, B); 1 + NWG warpgroups (NWG = 3 at d <= 64, else 2: see fwd_hopper); B_r = 64*NWG, B_c = 128
-// (64 past d = 128), in the shared memory of FwdTiles. Warpgroup 0 is the producer (fwd_hopper_producer): one of
-// its threads issues every TMA load. Warpgroup c = 1..NWG is a consumer owning rows 64(c-1) .. 64c-1 of Q_i, S_ij
-// and O_i; per block j it computes, with the m16n8 fragments of the Ampere kernel in each warp:
+// Grid (T_r, H_q, B); 1 + NWG warpgroups (NWG = 3 at d <= 64, 1 on its short masked rows, else 2: see fwd_hopper);
+// B_r = 64*NWG, B_c = 128 (64 past d = 128), in the shared memory of FwdTiles. Warpgroup 0 is the producer
+// (fwd_hopper_producer): one of its threads issues every TMA load. Warpgroup c = 1..NWG is a consumer owning rows
+// 64(c-1) .. 64c-1 of Q_i, S_ij and O_i; per block j it computes, with the m16n8 fragments of the Ampere kernel in
+// each warp:
 //   S_ij (64, B_c)  = Q_i (64, d) K_j^T (d, B_c)    d/16 wgmma m64n128k16, A and B from shared memory
 //   O_i  (64, d)   += P_ij (64, B_c) V_j (B_c, d)   B_c/16 wgmma m64n{d}k16 (in pieces), A (P_ij) from registers
 // Three kinds of waiting keep the tensor cores busy:
@@ -2377,7 +2384,7 @@ __device__ void fwd_hopper_producer(const FwdTiles<d, NWG, B_c, STAGES>& tiles, 
 //   consumer 2    | wait for PV; arrive empty;  | issue; wait for S; softmax  | wait for PV ...
 //                 | O_i *= alpha; pack P        |                             |
 template <typename T, int d, int NWG, int B_c, int STAGES>
-__global__ void __launch_bounds__(128 * (NWG + 1), 1)
+__global__ void __launch_bounds__(128 * (NWG + 1), FwdTiles<d, NWG, B_c, STAGES>::blocks)
 flash_fwd_hopper(const __grid_constant__ CUtensorMap Q_map, const __grid_constant__ CUtensorMap K_map,
                  const __grid_constant__ CUtensorMap V_map, const __grid_constant__ CUtensorMap O_map, Rows<T> O,
                  float* __restrict__ L, Scores sc, int group) {
@@ -3547,10 +3554,11 @@ void launch_preprocess(const at::Tensor& O, const at::Tensor& dO, at::Tensor& D,
 }
 
 #if defined(BUILD_hopper) || defined(BUILD_hopper_fp8)
-// Whether a Hopper forward keeps two consumer warpgroups where it would run three (B_r = 192): under a causal mask
-// (or a window) at N_q <= 1024. There the hopper kernel ran at 0.92x with three at d = 64, likely because the
-// half-hidden diagonal blocks are a large share of such short rows, and a 192-row tile meets two of them where a
-// 128-row tile meets one; the fp8 kernel at 0.92x with three and 1.04x with two (the fp16 kernel's speed, d = 128).
+// Whether a Hopper forward runs fewer consumer warpgroups where it would run three (B_r = 192): under a causal mask
+// (or a window) at N_q <= 1024. There the hopper kernel ran at 0.92x with three at d = 64 (two consumers; one is
+// faster still: fwd_hopper), likely because the half-hidden diagonal blocks are a large share of such short rows,
+// and a 192-row tile meets two of them where a 128-row tile meets one; the fp8 kernel at 0.92x with three and
+// 1.04x with two (the fp16 kernel's speed, d = 128).
 bool short_masked_rows(const Scores& sc) { return sc.mask.right < sc.mask.N_k && sc.mask.N_q <= 1024; }
 
 // A TMA tensor map of X (B, H, N, d) with its own strides (multiples of 16 bytes: main.py checks): boxes of
@@ -3722,11 +3730,15 @@ void fwd_hopper(const at::Tensor& Q, const at::Tensor& K, const at::Tensor& V, a
   // stages of 128 keys in shared memory; 3 stages (192 KB) fit at d = 160 and 192, 2 (192 KB) at d = 256.
   // d <= 64: three consumers (B_r = 192, 160 registers each), as FlashAttention-3: each K_j, V_j tile then serves
   // 192 query rows instead of 128, and the SM has 12 consumer warps instead of 8 to issue from while others wait.
-  // 1.05-1.17x the two-consumer kernel at N >= 4096 on an H100; two on short masked rows (short_masked_rows).
+  // 1.05-1.17x the two-consumer kernel at N >= 4096 on an H100. On short masked rows (short_masked_rows) one
+  // consumer (B_r = 64), and two blocks share an SM: while one block starts (Q_i, the first stages) or ends (O_i),
+  // the other's products run, which a block of three or two consumers leaves to no one. On an H200 (fp16 and bf16,
+  // B*N = 16384, H*d = 2048, causal) 1.07-1.09x the two-consumer kernel at d = 64 and 1.10-1.12x at d = 32 (N = 512
+  // and 1024); at N = 2048 it equals three consumers, and at 4096 it runs 0.94-0.95x (notebook 08, section 4).
   constexpr int B_r = 64 * NWG, B_c = d <= 128 ? 128 : 64, STAGES = d <= 192 ? 3 : 2;
   const int N_q = sc.mask.N_q;  // (a packed batch: the longest sequence's)
   if constexpr (NWG == 3)
-    if (short_masked_rows(sc)) return fwd_hopper<T, d, 2>(Q, K, V, O, L, sc, stream);
+    if (short_masked_rows(sc)) return fwd_hopper<T, d, 1>(Q, K, V, O, L, sc, stream);
   launch(flash_fwd_hopper<T, d, NWG, B_c, STAGES>, grid((N_q + B_r - 1) / B_r, Q, sc), 128 * (NWG + 1),
          FwdTiles<d, NWG, B_c, STAGES>::bytes, stream,
          tensor_map(Q, B_r), tensor_map(K, B_c), tensor_map(V, B_c), tensor_map(O, 64), rows<T>(O, sc.mask.cu_q),
@@ -4026,7 +4038,8 @@ std::vector<at::Tensor> quantize(const at::Tensor& X, const std::optional<at::Te
 // takes 96 KB (64 KB with V_TRANSPOSED) and Q_i 32 KB: 2 stages fit (3), and no O_i tile (Fp8Tiles::O_staged).
 // Three consumers: at d = 64, where O_i's 32 registers always left a third one room, 1.13-1.31x two on an H200 (bf16,
 // N = 4096 and 16384, causal and not); at d = 128 since S_ij is summed in fp16 (notebook 11, section 7). Two on
-// short masked rows, as the hopper kernel (short_masked_rows), and at d = 256, where O_i takes 128 registers.
+// short masked rows (short_masked_rows; the hopper kernel runs one there at d <= 64, two at d = 128), and at
+// d = 256, where O_i takes 128 registers.
 template <typename T, bool V_TRANSPOSED, int STAGES = HEAD_DIM <= 128 || V_TRANSPOSED ? 3 : 2,
           int NWG = HEAD_DIM <= 128 ? 3 : 2>
 void fwd_8bit(const at::Tensor& Q, const at::Tensor& K, const at::Tensor& V, at::Tensor& O, at::Tensor& L,
