@@ -25,6 +25,10 @@ KERNELS += [f"flash_bwd_fp32<{d}, {B_r}, {64 if d <= 64 else 32}>" for d in (16,
             for B_r in ((64, 32, 16) if d <= 64 else (32, 16))]
 KERNELS += [f"flash_bwd_preprocess<float, {d}>" for d in (16, 32, 64, 96, 128)]
 OPTIONS = ["--gpu-architecture=compute_70", "-std=c++17", f"-I{CUDA / 'cuda_runtime' / 'include'}",
+           # nvcc compiles a lambda inside a kernel for the device; NVRTC takes a generic lambda's call operator
+           # (the fp32 kernels' each_entry) for a host function unless told this. (Functions missing __device__
+           # would still fail the nvcc builds above, of the same source for sm_75 and up.)
+           "-default-device",
            "-DINFINITY=__int_as_float(0x7f800000)",  # math.h's INFINITY, which NVRTC does not provide
            # the defines of PyTorch's extension build (no implicit half <-> float conversions)
            "-D__CUDA_NO_HALF_OPERATORS__", "-D__CUDA_NO_HALF_CONVERSIONS__", "-D__CUDA_NO_BFLOAT16_CONVERSIONS__",
