@@ -454,9 +454,10 @@ __device__ void load_cols(float (&x)[d / 16], const float* row, int tx) {
 // Grid (T_r, H_q, B): one block per query block Q_i of one head; heavy causal blocks (large i) start first.
 // Block: 128 threads as 8 (ty) x 16 (tx). Thread (ty, tx) owns rows ty*TM .. ty*TM+TM-1 of S_ij and O_i,
 // columns tx + 16*n of S_ij (n < TN) and columns col(tx, e) of O_i (e < TX). The 16 threads that share a
-// row sit in one half-warp, so row max and row sum are shuffles, never shared memory. Bounds: at d <= 128 shared
-// memory leaves room for 3 blocks an SM, and registers are held to that; at d = 256 (1 block), a minimum of
-// blocks per SM made ptxas hold the tiles to 168 registers and spill 24 bytes.
+// row sit in one half-warp, so row max and row sum are shuffles, never shared memory. Bounds: up to d = 128,
+// registers for 3 blocks an SM (shared memory leaves room for them, at d = 64 for 4; held to 4, ptxas spilled 124
+// bytes, and the kernel ran no faster); past it 1 (with no minimum of blocks an SM, ptxas held the d = 256 tiles
+// to 168 registers and spilled 24 bytes).
 template <int d, int B_r, int B_c>
 __global__ void __launch_bounds__(128, d <= 128 ? 3 : 1)
 flash_fwd_fp32(Rows<const float> Q, Rows<const float> K, Rows<const float> V, Rows<float> O, float* __restrict__ L,
