@@ -3735,7 +3735,7 @@ void fwd_hopper(const at::Tensor& Q, const at::Tensor& K, const at::Tensor& V, a
   // consumer (B_r = 64), and two blocks share an SM: while one block starts (Q_i, the first stages) or ends (O_i),
   // the other's products run, which a block of three or two consumers leaves to no one. On an H200 (fp16 and bf16,
   // B*N = 16384, H*d = 2048, causal) 1.07-1.09x the two-consumer kernel at d = 64 and 1.10-1.12x at d = 32 (N = 512
-  // and 1024); at N = 2048 it equals three consumers, and at 4096 it runs 0.94-0.95x (notebook 08, section 4).
+  // and 1024); at N = 2048 it equals three consumers, and at 4096 it runs 0.94-0.96x (notebook 08, section 5).
   constexpr int B_r = 64 * NWG, B_c = d <= 128 ? 128 : 64, STAGES = d <= 192 ? 3 : 2;
   const int N_q = sc.mask.N_q;  // (a packed batch: the longest sequence's)
   if constexpr (NWG == 3)
