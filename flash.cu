@@ -2295,9 +2295,10 @@ __device__ void store_panels(uint32_t tile, uint32_t panel_bytes, const float (&
 }
 
 // Registers per thread for the consumer warpgroups of a Hopper forward after setmaxnreg, when the producer keeps
-// producer_regs: the rest of the SM's 64 K shared by NWG warpgroups of 128 threads, in multiples of 8 (producer 24:
-// 240 for NWG = 2, 160 for NWG = 3).
-constexpr int consumer_registers(int producer_regs, int NWG, int blocks = 1) {  // blocks: that share an SM
+// producer_regs: the rest of a block's share of the SM's 64 K (`blocks` blocks sharing the SM) split among NWG
+// warpgroups of 128 threads, in multiples of 8 (producer 24: 240 for NWG = 2, 160 for NWG = 3, 232 for NWG = 1 with
+// two blocks an SM).
+constexpr int consumer_registers(int producer_regs, int NWG, int blocks = 1) {
   return (65536 / blocks / 128 - producer_regs) / NWG / 8 * 8;
 }
 
