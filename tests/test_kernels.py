@@ -138,7 +138,9 @@ def test_tiles_for_99_kb_of_shared_memory(kernel, dtype, d, monkeypatch):
 @pytest.mark.parametrize("d", [32, 64])
 def test_hopper_tiles_of_192_query_rows(dtype, d):
     """At d <= 64 the hopper forward runs three consumer warpgroups (B_r = 192), except under a causal mask
-    at N_q <= 1024 (B_r = 128): both, on query counts that are no multiple of either, N_q = N_k and not."""
+    at N_q <= 1024 (one, B_r = 64): both, on query counts that are no multiple of 192, N_q = N_k and not. Under the
+    mask the tiles end at the last row (Mask::first_row): at N_q = 2500 and 1025 the first tile starts with padding
+    slabs, which at N_k = 3001 see keys."""
     if ("hopper", dtype, d) not in CASES:
         pytest.skip(f"no hopper kernel for {dtype}, d = {d} on this GPU")
     torch.manual_seed(d)
