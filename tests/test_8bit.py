@@ -102,9 +102,11 @@ def test_validation_before_any_launch():
 # ---------------------------------------------------------------------------------------------------------
 # The kernels (GPU)
 
-SHAPES = [  # B, H_q, H_kv, N_q, N_k, d: ragged blocks, GQA, N_q != N_k, one query, one key, padded d
+SHAPES = [  # B, H_q, H_kv, N_q, N_k, d: ragged blocks, GQA, N_q != N_k, one query, one key, padded d; causal, the
+    # first tile's padding slab (Mask::first_row) at 300, 517 and 129 queries (two consumers) and at 1050 (three)
     (2, 4, 2, 200, 333, 64), (1, 2, 2, 1, 77, 128), (2, 2, 1, 300, 300, 128), (1, 3, 3, 129, 1000, 96),
-    (1, 1, 1, 1, 1, 64), (1, 2, 1, 517, 260, 40), (1, 2, 1, 300, 400, 256), (1, 1, 1, 130, 130, 200)]
+    (1, 1, 1, 1, 1, 64), (1, 2, 1, 517, 260, 40), (1, 2, 1, 300, 400, 256), (1, 1, 1, 130, 130, 200),
+    (1, 2, 1, 1050, 1300, 128)]
 
 
 @cuda
