@@ -200,8 +200,10 @@ struct Mask {
   // a third full). A slab before row 0 is padding: its consumer computes on rows 0..63 again and writes nothing. On an
   // H200 (bf16, causal, N = 4096): the hopper forward 1.05x at d = 64, the fp8 forward 1.04x at d = 128.
   __device__ int first_row(int i, int B_r) const {
-    return i * B_r - (right < N_k ? ((N_q + B_r - 1) / B_r * B_r - N_q) / 64 * 64 : 0);
+    return i * B_r - (hides_right() ? ((N_q + B_r - 1) / B_r * B_r - N_q) / 64 * 64 : 0);
   }
+  // whether some key right of a row's diagonal is hidden (causal, or a window bounded on the right)
+  __host__ __device__ bool hides_right() const { return right < N_k; }
   __device__ int position(int r) const { return r + N_k - N_q; }             // query r's diagonal key
   __device__ int first_key(int r) const { return position(r) - left; }       // may be < 0
   __device__ int last_key(int r) const { return min(position(r) + right, N_k - 1); }
@@ -2059,6 +2061,15 @@ __device__ inline void tma_load(uint32_t dst, const CUtensorMap& map, int col, S
                ::"r"(dst), "l"(reinterpret_cast<uint64_t>(&map)), "r"(col), "r"(seq.first + row), "r"(h), "r"(seq.b),
                "r"(bar) : "memory");
 }
+// Q_i of the Hopper forwards, `slabs` consumers' 64 rows from row0: a 64-row box per slab in each of `panels` panels
+// (panel p at dst + p * panel_bytes, from column p * cols). A slab before row 0 (Mask::first_row's padding) reads rows
+// 0..63: a TMA copy that started before row 0 stopped the kernel with an illegal instruction (an H200).
+__device__ inline void tma_load_slabs(uint32_t dst, int panels, uint32_t panel_bytes, int cols, int slabs,
+                                      const CUtensorMap& map, Sequence seq, int row0, int h, uint32_t bar) {
+  for (int p = 0; p < panels; p++)
+    for (int w = 0; w < slabs; w++)
+      tma_load(dst + p * panel_bytes + w * 64 * 128, map, cols * p, seq, max(row0 + 64 * w, 0), h, bar);
+}
 // The other way: for (r, c) in the map's box, X[b][h][first + row + r][col + c] = src[swizzled (r, c)], rows and
 // columns past the map's dropped. The copy runs on its own: commit_group closes a group of them, and
 // wait_group.read n waits until at most n groups are still reading shared memory (wait_group n: until they have
@@ -2358,10 +2369,7 @@ __device__ void fwd_hopper_producer(const FwdTiles<d, NWG, B_c, STAGES>& tiles, 
     const int h = blockIdx.y, h_kv = h / group;  // query head h reads key/value head h / group
     const Sequence queries(mask.cu_q), keys(mask.cu_k);
     mbar_arrive_expect_bytes(tiles.Q_full(), Tiles::Q_bytes);                         // l.4: load Q_i
-    for (int c = 0; c < panels(d); c++)  // by 64-row slabs, a padding slab (Mask::first_row) from row 0
-      for (int w = 0; w < NWG; w++)
-        tma_load(tiles.Q + c * B_r * 128 + w * 64 * 128, Q_map, 64 * c, queries, max(row0 + 64 * w, 0), h,
-                 tiles.Q_full());
+    tma_load_slabs(tiles.Q, panels(d), B_r * 128, 64, NWG, Q_map, queries, row0, h, tiles.Q_full());
     for (int n = 0; n < n_blocks; n++) {                                              // l.7: load K_j, V_j
       const int s = n % STAGES, j = j0 + n;
       if (n >= STAGES) mbar_wait(tiles.K_empty(s), (n / STAGES - 1) % 2);  // block j - STAGES's K is out of stage s
@@ -3331,10 +3339,7 @@ __device__ void fp8_producer(const Fp8Tiles<d, NWG, STAGES, V_TRANSPOSED>& tiles
   const Sequence seq(nullptr);
   if (threadIdx.x == 0) {
     mbar_arrive_expect_bytes(tiles.Q_full(), row_panels * Tiles::Q_panel);          // l.4: load Q_i
-    for (int p = 0; p < row_panels; p++)  // by 64-row slabs, a padding slab (Mask::first_row) from row 0
-      for (int w = 0; w < NWG; w++)
-        tma_load(tiles.Q + p * Tiles::Q_panel + w * 64 * 128, Q_map, 128 * p, seq, max(row0 + 64 * w, 0), blockIdx.y,
-                 tiles.Q_full());
+    tma_load_slabs(tiles.Q, row_panels, Tiles::Q_panel, 128, NWG, Q_map, seq, row0, blockIdx.y, tiles.Q_full());
     for (int n = 0; n < n_blocks; n++) {                                           // l.7: load K_j, V_j
       const int s = n % STAGES, j = j0 + n;
       if (n >= STAGES) mbar_wait(tiles.K_empty(s), (n / STAGES - 1) % 2);  // block j - STAGES is out of stage s (its K)
@@ -3582,7 +3587,7 @@ void launch_preprocess(const at::Tensor& O, const at::Tensor& dO, at::Tensor& D,
 // faster still: fwd_hopper), likely because the half-hidden diagonal blocks are a large share of such short rows,
 // and a 192-row tile meets two of them where a 128-row tile meets one; the fp8 kernel at 0.92x with three and
 // 1.04x with two (the fp16 kernel's speed, d = 128).
-bool short_masked_rows(const Scores& sc) { return sc.mask.right < sc.mask.N_k && sc.mask.N_q <= 1024; }
+bool short_masked_rows(const Scores& sc) { return sc.mask.hides_right() && sc.mask.N_q <= 1024; }
 
 // A TMA tensor map of X (B, H, N, d) with its own strides (multiples of 16 bytes: main.py checks): boxes of
 // (rows, 128 bytes), 64 16-bit, 128 8-bit or 32 fp32 elements, stored with the 128-byte swizzle; rows past N read
