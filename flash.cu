@@ -2061,6 +2061,15 @@ __device__ inline void tma_load(uint32_t dst, const CUtensorMap& map, int col, S
                ::"r"(dst), "l"(reinterpret_cast<uint64_t>(&map)), "r"(col), "r"(seq.first + row), "r"(h), "r"(seq.b),
                "r"(bar) : "memory");
 }
+// The same for a map of whole rows (tensor_map's whole_rows): `rows` rows from `row` of head h of sequence b, each
+// row's d/64 panels one after the other, a row of 128 d/64 bytes: line l = row r, panel p (l = r d/64 + p) of the
+// box holds 128 bytes, its piece c at piece c ^ (l % 8).
+__device__ inline void tma_load_rows(uint32_t dst, const CUtensorMap& map, int b, int row, int h, uint32_t bar) {
+  asm volatile("cp.async.bulk.tensor.5d.shared::cluster.global.mbarrier::complete_tx::bytes"
+               " [%0], [%1, {%2, %2, %3, %4, %5}], [%6];"  // (%2: column 0 of panel 0)
+               ::"r"(dst), "l"(reinterpret_cast<uint64_t>(&map)), "r"(0), "r"(row), "r"(h), "r"(b), "r"(bar)
+               : "memory");
+}
 // Q_i of the Hopper forwards, `slabs` consumers' 64 rows from row0: a 64-row box per slab in each of `panels` panels
 // (panel p at dst + p * panel_bytes, from column p * cols). A slab before row 0 (Mask::first_row's padding) reads rows
 // 0..63: a TMA copy that started before row 0 stopped the kernel with an illegal instruction (an H200).
@@ -2966,11 +2975,12 @@ flash_bwd_hopper(const __grid_constant__ CUtensorMap Q_map, const __grid_constan
 // blocks of the split, set 1 the odd ones, each warp 16 keys of a block. A set's step is one chain of dependent
 // ldmatrix, mma and softmax instructions, and with one warp per SM sub-partition nothing else would issue while
 // it waits (two sets: 1-2% faster on an H200; notebook 09, section 7). Thread 0 of each set issues the copies of
-// the stages its set frees: one TMA copy per 64-column panel of K_j and of V_j into STAGES mbarrier stages,
-// each warp arriving on the stage's `empty` barrier once it has read it, as the hopper forward's consumers do.
-// No thread spends instructions on addresses or copies, and the copies are whole tiles. The stages hold the
-// tiles with the 128-byte swizzle: piece p of key row r of a panel sits at piece p ^ (r % 8) of the row (see
-// this section's introduction), and the ldmatrix addresses follow it.
+// the stages its set frees into STAGES mbarrier stages, each warp arriving on the stage's `empty` barrier once it
+// has read it, as the hopper forward's consumers do. No thread spends instructions on addresses or copies, and
+// the copies are whole tiles: one TMA copy each of K_j and V_j where d is a multiple of 64, their rows whole
+// (tma_load_rows: up to 1.4% faster on an H200 than a copy per 64-column panel, notebook 09, section 7), else one
+// per panel. Either way the stages hold the tiles in 128-byte lines with the 128-byte swizzle: piece p of line l
+// sits at piece p ^ (l % 8) of the line (see this section's introduction), and the ldmatrix addresses follow it.
 [[maybe_unused]] constexpr int DECODE_HOPPER_WARPS = 8;  // two sets of 4 ([[maybe_unused]]: builds without hopper)
 template <typename T, int d, int STAGES>
 __global__ void __launch_bounds__(32 * DECODE_HOPPER_WARPS, 1)
@@ -2984,7 +2994,8 @@ flash_decode_hopper(Rows<const T> Q, const __grid_constant__ CUtensorMap K_map, 
   // had landed, on a barrier phase of the same parity, already complete (notebook 09, section 6, replays it).
   static_assert(STAGES % 2 == 0, "each stage belongs to one set");
   constexpr int B_c = Block::B_c;
-  constexpr uint32_t tile_bytes = B_c * 128 * panels(d);  // K_j or V_j: panels of (B_c, 128 bytes)
+  constexpr uint32_t tile_bytes = B_c * 128 * panels(d);  // K_j or V_j: whole rows, or panels of (B_c, 128 bytes)
+  constexpr bool whole_rows = d % 64 == 0;                // (as decode's tensor maps)
   extern __shared__ unsigned char smem_raw[];
   const uint32_t KV_s = (smem_addr(smem_raw) + 1023) & ~1023u;  // stage s: K_j, then V_j (swizzling: 1024-aligned)
   auto K_s = [&](int s) { return KV_s + 2 * s * tile_bytes; };
@@ -3001,9 +3012,14 @@ flash_decode_hopper(Rows<const T> Q, const __grid_constant__ CUtensorMap K_map, 
   auto load_KV = [&](int n) {  // l.7: load K_j, V_j for j = j_begin + n into stage n % STAGES (a set's thread 0)
     const int s = n % STAGES, j = j_begin + n;
     mbar_arrive_expect_bytes(full(s), 2 * tile_bytes);
-    for (int c = 0; c < panels(d); c++) {
-      tma_load(K_s(s) + c * B_c * 128, K_map, 64 * c, Sequence(nullptr), j * B_c, block.h_kv, full(s));
-      tma_load(V_s(s) + c * B_c * 128, V_map, 64 * c, Sequence(nullptr), j * B_c, block.h_kv, full(s));
+    if constexpr (whole_rows) {
+      tma_load_rows(K_s(s), K_map, blockIdx.z, j * B_c, block.h_kv, full(s));
+      tma_load_rows(V_s(s), V_map, blockIdx.z, j * B_c, block.h_kv, full(s));
+    } else {
+      for (int c = 0; c < panels(d); c++) {
+        tma_load(K_s(s) + c * B_c * 128, K_map, 64 * c, Sequence(nullptr), j * B_c, block.h_kv, full(s));
+        tma_load(V_s(s) + c * B_c * 128, V_map, 64 * c, Sequence(nullptr), j * B_c, block.h_kv, full(s));
+      }
     }
   };
   if (threadIdx.x == 0) {
@@ -3016,10 +3032,12 @@ flash_decode_hopper(Rows<const T> Q, const __grid_constant__ CUtensorMap K_map, 
     for (int n = 0; n < min(STAGES, n_blocks); n++) load_KV(n);
   }
   block.load_queries(Q_s, Q);  // l.4 (its barrier also publishes the mbarriers)
-  // Piece p (16 bytes) of key row r of this warp, in panel p / 8 of stage s's tile at `tile`, swizzled
+  // Piece p (16 bytes) of key row r of this warp in the tile at `tile`: in line `line` (row `row`, panel p / 8),
+  // swizzled. (Whole rows of 256 bytes put rows r and r + 4 of a 16-byte column in one bank group, a 2-way
+  // conflict for ldmatrix that the one copy outweighs.)
   auto piece = [&](uint32_t tile, int r, int p) {
-    const int row = keys + r;
-    return __cvta_shared_to_generic(tile + p / 8 * B_c * 128 + row * 128 + ((p % 8) ^ (row % 8)) * 16);
+    const uint32_t row = keys + r, line = whole_rows ? row * panels(d) + p / 8 : p / 8 * B_c + row;
+    return __cvta_shared_to_generic(tile + line * 128 + ((p % 8) ^ (line % 8)) * 16);
   };
   float O_i[d / 8][4] = {}, m_i[2] = {M_START, M_START}, l_i[2] = {0.f, 0.f};  // l.5
   for (int n = set; n < n_blocks; n += 2) {                                      // l.6, the set's blocks
@@ -3592,9 +3610,11 @@ bool short_masked_rows(const Scores& sc) { return sc.mask.hides_right() && sc.ma
 // A TMA tensor map of X (B, H, N, d) with its own strides (multiples of 16 bytes: main.py checks): boxes of
 // (rows, 128 bytes), 64 16-bit, 128 8-bit or 32 fp32 elements, stored with the 128-byte swizzle; rows past N read
 // as zeros. promotion: how much L2 fetches from memory for a request that misses (see decode for why it matters).
+// whole_rows (d a multiple of 64 elements of 16 bits): X as (B, H, N, d/64, 64), and boxes of `rows` whole rows, so
+// that one copy takes a tile (tma_load_rows; the swizzle's 128 bytes are at most a box's innermost dimension).
 // The driver function that encodes it is looked up at run time, so the extension needs no link against libcuda.
 CUtensorMap tensor_map(const at::Tensor& X, int rows,
-                       CUtensorMapL2promotion promotion = CU_TENSOR_MAP_L2_PROMOTION_L2_256B) {
+                       CUtensorMapL2promotion promotion = CU_TENSOR_MAP_L2_PROMOTION_L2_256B, bool whole_rows = false) {
   static PFN_cuTensorMapEncodeTiled_v12000 encode = nullptr;
   if (!encode) {
     cudaDriverEntryPointQueryResult found;
@@ -3602,17 +3622,22 @@ CUtensorMap tensor_map(const at::Tensor& X, int rows,
                                                 cudaEnableDefault, &found));
     TORCH_CHECK(found == cudaDriverEntryPointSuccess, "the CUDA driver has no cuTensorMapEncodeTiled");
   }
-  const cuuint64_t bytes = X.element_size();
-  const cuuint64_t dims[4] = {cuuint64_t(X.size(3)), cuuint64_t(X.size(2)), cuuint64_t(X.size(1)),
-                              cuuint64_t(X.size(0))};  // (d, N, H, B)
-  const cuuint64_t strides[3] = {stride(X, 2) * bytes, stride(X, 1) * bytes, stride(X, 0) * bytes};  // dims 1..3
-  const cuuint32_t box[4] = {cuuint32_t(128 / bytes), cuuint32_t(rows), 1, 1}, steps[4] = {1, 1, 1, 1};
+  const cuuint64_t bytes = X.element_size(), panel = 128 / bytes, d = X.size(3);
+  TORCH_CHECK(!whole_rows || d % panel == 0, "whole rows of ", d, " elements in panels of ", panel);
+  // dimensions from the innermost: (d, N, H, B), or with whole_rows (64, d/64, N, H, B); `within` of them in a row
+  const int within = whole_rows ? 2 : 1;
+  cuuint64_t dims[5] = {whole_rows ? panel : d, d / panel}, strides[4] = {128};  // (bytes, of dims 1..)
+  cuuint32_t box[5] = {cuuint32_t(panel), cuuint32_t(d / panel)}, steps[5] = {1, 1, 1, 1, 1};
+  for (int i = 0; i < 3; i++) {  // N, H, B
+    dims[within + i] = X.size(2 - i), strides[within + i - 1] = stride(X, 2 - i) * bytes;
+    box[within + i] = i ? 1 : rows;
+  }
   CUtensorMap map;
   const CUresult err = encode(&map, bytes == 1 ? CU_TENSOR_MAP_DATA_TYPE_UINT8
                                     : bytes == 4 ? CU_TENSOR_MAP_DATA_TYPE_FLOAT32
                                     : X.scalar_type() == at::kHalf ? CU_TENSOR_MAP_DATA_TYPE_FLOAT16
                                                                    : CU_TENSOR_MAP_DATA_TYPE_BFLOAT16,
-                              4, X.data_ptr(), dims, strides, box, steps, CU_TENSOR_MAP_INTERLEAVE_NONE,
+                              within + 3, X.data_ptr(), dims, strides, box, steps, CU_TENSOR_MAP_INTERLEAVE_NONE,
                               CU_TENSOR_MAP_SWIZZLE_128B, promotion, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
   TORCH_CHECK(err == CUDA_SUCCESS, "cuTensorMapEncodeTiled failed with CUresult ", int(err));
   return map;
@@ -3843,14 +3868,14 @@ void decode(const at::Tensor& Q, const at::Tensor& K, const at::Tensor& V, at::T
   if constexpr (STAGES > 2)  // (an even count: see flash_decode_hopper)
     if (smem > max_smem_per_block()) return decode<T, d, STAGES - 2>(Q, K, V, O, L, seqlens_k, sc, stream);
   const auto kernel = flash_decode_hopper<T, d, STAGES>;
-  // L2 promotion to 128 bytes, not the 256 of the other kernels' maps: K_j's rows are 256 bytes at d = 128, split
-  // over two panels and two copies, and with promotion to 256 bytes decoding streams the cache 7-8% slower (on
-  // an H200 at B = 8, H_kv = 32, N_k = 32768: 1017 us against 943; SDPA's default 934). Likely each copy's misses
-  // fetch the other panel's half of every row too, and that copy fetches it again before the first fill lands.
+  // L2 promotion to 128 bytes, not the 256 of the other kernels' maps: with promotion to 256 bytes decoding
+  // streams the cache 7-8% slower (on an H200 at B = 8, H_kv = 32, N_k = 32768: 1017 us against 943; SDPA's
+  // default 934), with a copy per 64-column panel and with one copy of whole rows alike (there 3-7%), so not
+  // because two copies fetched one row's halves. Why, these timings do not show (notebook 09, section 7).
   // (The other kernels, whose tiles are mostly read from L2, ran the same with 128: on an H200 the hopper forward
   // and backward and the fp8 forward at d = 64 and 128 took 0.997-1.003x their time on average.)
   constexpr auto promotion = CU_TENSOR_MAP_L2_PROMOTION_L2_128B;
-  const auto K_arg = tensor_map(K, B_c, promotion), V_arg = tensor_map(V, B_c, promotion);
+  const auto K_arg = tensor_map(K, B_c, promotion, d % 64 == 0), V_arg = tensor_map(V, B_c, promotion, d % 64 == 0);
 #else
   const size_t smem = sizeof(T) * (16 + 2 * STAGES * B_c) * (d + 8);  // 143 KB at d = 128
   if constexpr (STAGES > 2)
