@@ -3033,8 +3033,8 @@ flash_decode_hopper(Rows<const T> Q, const __grid_constant__ CUtensorMap K_map, 
   }
   block.load_queries(Q_s, Q);  // l.4 (its barrier also publishes the mbarriers)
   // Piece p (16 bytes) of key row r of this warp in the tile at `tile`: in line `line` (row `row`, panel p / 8),
-  // swizzled. (Whole rows of 256 bytes put rows r and r + 4 of a 16-byte column in one bank group, a 2-way
-  // conflict for ldmatrix that the one copy outweighs.)
+  // swizzled. (Whole rows put the 8 rows of a 16-byte column in 4 bank groups at d = 128 and 2 at d = 256: a 2-way
+  // and a 4-way conflict for ldmatrix, none at d = 64 and 192. At d = 128, the width timed, the one copy outweighs it.)
   auto piece = [&](uint32_t tile, int r, int p) {
     const uint32_t row = keys + r, line = whole_rows ? row * panels(d) + p / 8 : p / 8 * B_c + row;
     return __cvta_shared_to_generic(tile + line * 128 + ((p % 8) ^ (line % 8)) * 16);
