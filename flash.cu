@@ -2061,14 +2061,14 @@ __device__ inline void tma_load(uint32_t dst, const CUtensorMap& map, int col, S
                ::"r"(dst), "l"(reinterpret_cast<uint64_t>(&map)), "r"(col), "r"(seq.first + row), "r"(h), "r"(seq.b),
                "r"(bar) : "memory");
 }
-// The same for a map of whole rows (tensor_map's whole_rows): `rows` rows from `row` of head h of sequence b, each
-// row's d/64 panels one after the other, a row of 128 d/64 bytes: line l = row r, panel p (l = r d/64 + p) of the
-// box holds 128 bytes, its piece c at piece c ^ (l % 8).
-__device__ inline void tma_load_rows(uint32_t dst, const CUtensorMap& map, int b, int row, int h, uint32_t bar) {
+// The same for a map of whole rows (tensor_map's whole_rows), from column 0: `rows` rows from `row`, each row's d/64
+// panels one after the other, a row of 128 d/64 bytes: line l = row r, panel p (l = r d/64 + p) of the box holds 128
+// bytes, its piece c at piece c ^ (l % 8).
+__device__ inline void tma_load_rows(uint32_t dst, const CUtensorMap& map, Sequence seq, int row, int h, uint32_t bar) {
   asm volatile("cp.async.bulk.tensor.5d.shared::cluster.global.mbarrier::complete_tx::bytes"
                " [%0], [%1, {%2, %2, %3, %4, %5}], [%6];"  // (%2: column 0 of panel 0)
-               ::"r"(dst), "l"(reinterpret_cast<uint64_t>(&map)), "r"(0), "r"(row), "r"(h), "r"(b), "r"(bar)
-               : "memory");
+               ::"r"(dst), "l"(reinterpret_cast<uint64_t>(&map)), "r"(0), "r"(seq.first + row), "r"(h), "r"(seq.b),
+               "r"(bar) : "memory");
 }
 // Q_i of the Hopper forwards, `slabs` consumers' 64 rows from row0: a 64-row box per slab in each of `panels` panels
 // (panel p at dst + p * panel_bytes, from column p * cols). A slab before row 0 (Mask::first_row's padding) reads rows
@@ -2451,7 +2451,7 @@ flash_fwd_hopper(const __grid_constant__ CUtensorMap Q_map, const __grid_constan
   } else {  // consumer warpgroup wg: rows 64(wg-1) .. 64wg-1 of the block
     asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;" ::"n"(Tiles::consumer_regs));
     const int warp = threadIdx.x / 32 % 4, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
-    const int r = row0 + 64 * (wg - 1) + 16 * warp + g;  // this lane's rows are r and r + 8
+    const int wg_row0 = row0 + 64 * (wg - 1), r = wg_row0 + 16 * warp + g;  // this lane's rows are r and r + 8
     const uint32_t Q_wg = tiles.Q + 64 * (wg - 1) * 128;  // this warpgroup's 64 rows of each Q_i panel
     const float slope = sc.slope(blockIdx.z, blockIdx.y);
     float O_i[d / 8][4] = {}, m_i[2] = {M_START, M_START}, l_i[2] = {0.f, 0.f};  // l.5
@@ -2517,7 +2517,6 @@ flash_fwd_hopper(const __grid_constant__ CUtensorMap Q_map, const __grid_constan
     // read them, and they are done), then by TMA, which writes whole 128-byte rows where write_O_L's stores write
     // 16 bytes into each of 8 rows. A tile that runs past its sequence in a packed batch would overwrite the next
     // sequence's rows: it keeps write_O_L.
-    const int wg_row0 = row0 + 64 * (wg - 1);
     if (wg_row0 < 0) return;  // a padding slab (Mask::first_row) writes nothing
     if (PACKED && wg_row0 + 64 > mask.N_q) {
       write_O_L<T, d>(O_i, m_i, l_i, O.head(), L + mask.row_index(), r, t, mask.N_q, sc.dropout.scale);
@@ -2982,6 +2981,8 @@ flash_bwd_hopper(const __grid_constant__ CUtensorMap Q_map, const __grid_constan
 // per panel. Either way the stages hold the tiles in 128-byte lines with the 128-byte swizzle: piece p of line l
 // sits at piece p ^ (l % 8) of the line (see this section's introduction), and the ldmatrix addresses follow it.
 [[maybe_unused]] constexpr int DECODE_HOPPER_WARPS = 8;  // two sets of 4 ([[maybe_unused]]: builds without hopper)
+// Whether decoding copies a tile of width d as whole rows (the kernel's copies and layout, decode's tensor maps)
+__host__ __device__ constexpr bool decode_whole_rows(int d) { return d % 64 == 0; }
 template <typename T, int d, int STAGES>
 __global__ void __launch_bounds__(32 * DECODE_HOPPER_WARPS, 1)
 flash_decode_hopper(Rows<const T> Q, const __grid_constant__ CUtensorMap K_map, const __grid_constant__ CUtensorMap V_map,
@@ -2995,7 +2996,7 @@ flash_decode_hopper(Rows<const T> Q, const __grid_constant__ CUtensorMap K_map, 
   static_assert(STAGES % 2 == 0, "each stage belongs to one set");
   constexpr int B_c = Block::B_c;
   constexpr uint32_t tile_bytes = B_c * 128 * panels(d);  // K_j or V_j: whole rows, or panels of (B_c, 128 bytes)
-  constexpr bool whole_rows = d % 64 == 0;                // (as decode's tensor maps)
+  constexpr bool whole_rows = decode_whole_rows(d);
   extern __shared__ unsigned char smem_raw[];
   const uint32_t KV_s = (smem_addr(smem_raw) + 1023) & ~1023u;  // stage s: K_j, then V_j (swizzling: 1024-aligned)
   auto K_s = [&](int s) { return KV_s + 2 * s * tile_bytes; };
@@ -3013,8 +3014,8 @@ flash_decode_hopper(Rows<const T> Q, const __grid_constant__ CUtensorMap K_map, 
     const int s = n % STAGES, j = j_begin + n;
     mbar_arrive_expect_bytes(full(s), 2 * tile_bytes);
     if constexpr (whole_rows) {
-      tma_load_rows(K_s(s), K_map, blockIdx.z, j * B_c, block.h_kv, full(s));
-      tma_load_rows(V_s(s), V_map, blockIdx.z, j * B_c, block.h_kv, full(s));
+      tma_load_rows(K_s(s), K_map, Sequence(nullptr), j * B_c, block.h_kv, full(s));
+      tma_load_rows(V_s(s), V_map, Sequence(nullptr), j * B_c, block.h_kv, full(s));
     } else {
       for (int c = 0; c < panels(d); c++) {
         tma_load(K_s(s) + c * B_c * 128, K_map, 64 * c, Sequence(nullptr), j * B_c, block.h_kv, full(s));
@@ -3875,7 +3876,8 @@ void decode(const at::Tensor& Q, const at::Tensor& K, const at::Tensor& V, at::T
   // (The other kernels, whose tiles are mostly read from L2, ran the same with 128: on an H200 the hopper forward
   // and backward and the fp8 forward at d = 64 and 128 took 0.997-1.003x their time on average.)
   constexpr auto promotion = CU_TENSOR_MAP_L2_PROMOTION_L2_128B;
-  const auto K_arg = tensor_map(K, B_c, promotion, d % 64 == 0), V_arg = tensor_map(V, B_c, promotion, d % 64 == 0);
+  const auto K_arg = tensor_map(K, B_c, promotion, decode_whole_rows(d)),
+             V_arg = tensor_map(V, B_c, promotion, decode_whole_rows(d));
 #else
   const size_t smem = sizeof(T) * (16 + 2 * STAGES * B_c) * (d + 8);  // 143 KB at d = 128
   if constexpr (STAGES > 2)
