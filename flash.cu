@@ -3791,6 +3791,7 @@ void fwd_hopper(const at::Tensor& Q, const at::Tensor& K, const at::Tensor& V, a
   // the other's products run, which a block of three or two consumers leaves to no one. On an H200 (fp16 and bf16,
   // B*N = 16384, H*d = 2048, causal) 1.07-1.09x the two-consumer kernel at d = 64 and 1.10-1.12x at d = 32 (N = 512
   // and 1024); at N = 2048 it equals three consumers, and at 4096 it runs 0.94-0.96x (notebook 08, section 5).
+  // Three consumers with the tiles moved (Mask::first_row) still ran 0.87-0.96x one consumer at N <= 1024.
   // At d = 96 and 128 (B_c = 64, 2 stages: 81 KB, two blocks an SM) it ran 1.02-1.04x two consumers at N = 512,
   // causal, but 0.92-0.96x at N = 1024 and 0.75-0.94x without a mask: not kept.
   constexpr int B_r = 64 * NWG, B_c = d <= 128 ? 128 : 64, STAGES = d <= 192 ? 3 : 2;
