@@ -1,4 +1,5 @@
-"""Runs every notebook in notebooks/ top to bottom on the CPU; a cell that raises fails the test.
+"""Runs every notebook in notebooks/ top to bottom on the CPU; a cell that raises fails the test, and so does a
+cell that prints here but has no output stored in the file (what a reader sees without running it).
 
 Select or skip these with the marker: python -m pytest -m notebooks / -m "not notebooks".
 """
@@ -20,7 +21,10 @@ def test_notebook_runs(path):
     nb = nbformat.read(path, as_version=4)
     client = nbclient.NotebookClient(nb, timeout=120, kernel_name="python3",
                                      resources={"metadata": {"path": str(NOTEBOOKS)}})  # cwd = notebooks/
+    stored = [cell.get("outputs") for cell in nb.cells]
     try:
         client.execute()  # outputs go to the in-memory copy only; the file on disk is left as it is
     except CellExecutionError as error:
         pytest.fail(f"{path.name}: a cell raised\n{error}", pytrace=False)
+    missing = [i for i, (cell, old) in enumerate(zip(nb.cells, stored)) if cell.get("outputs") and not old]
+    assert not missing, f"{path.name}: cells {missing} print but have no stored output (run the notebook and save it)"
