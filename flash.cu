@@ -3075,8 +3075,8 @@ flash_decode_hopper(Rows<const T> Q, const __grid_constant__ CUtensorMap K_map, 
 // the softmax's scale, once per block. Two transforms that leave softmax(Q K^T) unchanged make the inputs easier:
 // - rotation (FlashAttention-3's incoherent processing): Q and K both times H = diag(signs) Hadamard / sqrt(d),
 //   orthogonal, so (Q H)(K H)^T = Q K^T, while H spreads an outlier channel over all d channels;
-// - smoothing (int8): K minus its mean over the keys, which adds q . mean to every score of a row, a constant the
-//   softmax cancels (so not with a softcap, and L is that of the smoothed scores).
+// - smoothing (int8): K minus its mean over the keys, which subtracts q . mean from every score of a row, a constant
+//   the softmax cancels (so not with a softcap, and L is that of the smoothed scores).
 // ======================================================================================================
 #include <cuda_fp8.h>
 

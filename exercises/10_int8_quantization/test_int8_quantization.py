@@ -130,7 +130,7 @@ def attention_causes(O, Q, K, V, signs, smooth, rows):
                           ("rotate Q only", "only Q was rotated: K needs the same R, so that (Q R)(K R)^T = Q K^T"),
                           ("signs on columns", "R = Hadamard diag(signs) (signs on the columns): the rotation is "
                                                "diag(signs) Hadamard, signs on the rows (signs[:, None] * H)"),
-                          ("smooth Q", "Q was smoothed too: subtracting K's mean adds q . mean to a whole row of S, "
+                          ("smooth Q", "Q was smoothed too: subtracting K's mean shifts a whole row of S by -q . mean, "
                                        "which the softmax cancels; Q's mean does not cancel"),
                           ("mean over D", "K's mean taken over the D channels of each key: it must be over the keys "
                                           "(dim -2), one D-vector, so that every score of a row moves by the same "
