@@ -115,8 +115,9 @@ def philox(x, key, rounds=7):
 
 
 def dropout_threshold(dropout_p):
-    """An entry is dropped when its random byte is below this: p is rounded to a multiple of 1/256."""
-    return min(round(dropout_p * 256), 255)
+    """An entry is dropped when its random byte is below this: p is rounded to the nearest multiple of 1/256, a half
+    upwards, as flash.cu's std::lround does (Python's round would take 32.5 to 32, the kernels to 33)."""
+    return min(math.floor(dropout_p * 256 + 0.5), 255)
 
 
 def dropout_scale(dropout_p):

@@ -8,6 +8,8 @@ dropout, which SDPA cannot be given as a mask, plus a small floor). The generato
 correlation across heads, batches and blocks) and its known-answer vectors are checked on the CPU.
 """
 import math
+import os
+import re
 
 import pytest
 import torch
@@ -61,6 +63,15 @@ def test_keep_rate_and_independence():
     assert abs(correlation(keep[0, 0, :, :-16], keep[0, 0, :, 16:])) < bound  # keys c and c + 16 (one call)
     other = reference.dropout_keep(seed + 1, (4, 8, 256, 256), p).float()
     assert abs(correlation(keep, other)) < 6 / math.sqrt(n)                 # across seeds
+
+
+def test_threshold_rounds_as_the_kernels():
+    # flash.cu rounds 256 p with std::lround, halves away from zero; reference must draw the same mask and scale
+    assert re.search(r"std::lround\(dropout_p \* 256\)", open(os.path.join(main.ROOT, "flash.cu")).read())
+    for k in range(255):
+        assert reference.dropout_threshold((k + 0.5) / 256) == k + 1            # a half goes up (round() would not)
+        assert reference.dropout_threshold((k + 0.49) / 256) == k
+    assert reference.dropout_threshold(0.9999) == 255                          # at most 255: some entries stay
 
 
 def test_reference_dropout_is_attention_with_the_mask():
@@ -136,12 +147,13 @@ def test_dropout_with_masks_and_scores(kernel, dtype):
 
 @cuda
 @pytest.mark.parametrize("kernel, dtype", CASES)
-@pytest.mark.parametrize("N_q, N_k, d", [(100, 64, 64), (37, 128, 128), (50, 40, 64)])  # (40: a partial call)
-def test_kernels_drop_exactly_the_mask(kernel, dtype, N_q, N_k, d):
+@pytest.mark.parametrize("N_q, N_k, d, p", [(100, 64, 64, 0.25), (37, 128, 128, 0.25), (50, 40, 64, 0.25),  # (40: a
+                                           (50, 40, 64, 32.5 / 256)])  # partial call; p halfway between thresholds)
+def test_kernels_drop_exactly_the_mask(kernel, dtype, N_q, N_k, d, p):
     # q = k = 0 makes P uniform (1 / N_k); one-hot rows of V (V[c] = e_c) then give O[r, c] = Z_rc / N_k, and
     # one-hot rows of dO (dO[r] = e_r) give dV[c, r] = Z_rc / N_k: every dropped entry shows as a 0, in the
     # forward's layout and in the backward's transposed one
-    B, H, p, seed = 2, 3, 0.25, 777
+    B, H, seed = 2, 3, 777
     q = torch.zeros(B, H, N_q, d, device="cuda", dtype=dtype)
     k = torch.zeros(B, H, N_k, d, device="cuda", dtype=dtype)
     v = torch.eye(N_k, d, device="cuda", dtype=dtype).expand(B, H, N_k, d).contiguous()
@@ -165,7 +177,7 @@ def test_kernels_drop_exactly_the_mask_on_99_kb_tiles(kernel, dtype, monkeypatch
     # sm_86 and sm_89 give a block 99 KB: at d = 256 the ampere forward then takes B_c = 16, half of a Philox
     # call's 32 keys per block, the upper half in odd blocks (FLASH_SMEM_LIMIT makes this GPU choose the same)
     monkeypatch.setenv("FLASH_SMEM_LIMIT", str(99 * 1024))
-    test_kernels_drop_exactly_the_mask(kernel, dtype, 100, 200, 256)
+    test_kernels_drop_exactly_the_mask(kernel, dtype, 100, 200, 256, 0.25)
 
 
 @cuda
