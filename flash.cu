@@ -2061,9 +2061,9 @@ __device__ inline void tma_load(uint32_t dst, const CUtensorMap& map, int col, S
                ::"r"(dst), "l"(reinterpret_cast<uint64_t>(&map)), "r"(col), "r"(seq.first + row), "r"(h), "r"(seq.b),
                "r"(bar) : "memory");
 }
-// The same for a map of whole rows (tensor_map's whole_rows), from column 0: `rows` rows from `row`, each row's d/64
-// panels one after the other, a row of 128 d/64 bytes: line l = row r, panel p (l = r d/64 + p) of the box holds 128
-// bytes, its piece c at piece c ^ (l % 8).
+// The same for a map of whole rows (tensor_map's whole_rows), from column 0: the map's box of rows from `row`, each
+// row's d/64 panels one after the other, so that 128-byte line l = r d/64 + p of the box holds panel p of row r, its
+// 16-byte piece c at piece c ^ (l % 8).
 __device__ inline void tma_load_rows(uint32_t dst, const CUtensorMap& map, Sequence seq, int row, int h, uint32_t bar) {
   asm volatile("cp.async.bulk.tensor.5d.shared::cluster.global.mbarrier::complete_tx::bytes"
                " [%0], [%1, {%2, %2, %3, %4, %5}], [%6];"  // (%2: column 0 of panel 0)
