@@ -3,6 +3,7 @@
     python tests/sanitize.py                              # all four tools
     python tests/sanitize.py --tools memcheck,racecheck   # some of them
     python tests/sanitize.py --quick                      # N = 130 only
+    python tests/sanitize.py --kernels hopper,hopper_fp8  # some kernels (names as in list_kernels, main.EIGHT_BIT)
 
 The tools: memcheck (out-of-bounds and misaligned accesses, hardware exceptions), racecheck (shared-memory
 hazards: a missing __syncthreads), synccheck (barriers not every thread reaches) and initcheck (reads of
@@ -12,7 +13,8 @@ The script builds flash.cu first, without a sanitizer, then runs itself once per
 available kernel, dtype and tile width (head dim), forward and autograd backward: at d = 64, B = 1, H = 2,
 N in (1, 37, 130) (one row; one ragged block; several blocks and a ragged last one), causal and not (causal
 on transposed views, read through their strides), and unequal lengths with grouped-query attention (SHAPES);
-at the other tile widths, a ragged causal GQA shape and a split-KV decoding one. At d = 64 also every mask and
+at the other tile widths, a ragged causal GQA shape and a split-KV decoding one. At every tile width of the split-KV
+kernels, decoding against a KV cache of ragged lengths with NaN past them (run_kvcache). At d = 64 also every mask and
 score modification at once (window, softcap, ALiBi), and a packed batch (flash_attention_varlen) whose
 sequences have no queries, no keys, one token or ragged blocks, each also with dropout and the deterministic
 backward (the -DDROPOUT=1 and -DDETERMINISTIC=1 builds). Then quantize and the 8-bit kernels (run_8bit).
@@ -52,11 +54,11 @@ def problems(lengths, d):
         [(N_q, N_k, H_q, H_kv, causal) for (N_q, N_k, H_q, H_kv) in SHAPES for causal in (False, True)]
 
 
-def run_cases(lengths):
-    """Forward and backward of every available kernel, dtype and head dim on each problem."""
+def run_cases(lengths, kernels):
+    """Forward and backward of every available kernel in `kernels`, dtype and head dim on each problem."""
     cases, covered = 0, []
     for kn in main.list_kernels():
-        if not kn["available"]:
+        if not kn["available"] or kn["name"] not in kernels:
             continue
         for dtype in kn["dtypes"]:
             for d in kn["head_dims"]:
@@ -73,10 +75,12 @@ def run_cases(lengths):
                     assert all(torch.isfinite(t).all() for t in (o, *grads)), \
                         f"non-finite output: {kn['name']} {dtype} d={d} N_q={N_q} N_k={N_k} causal={causal}"
                     cases += 1
+                if kn["split_kv"]:
+                    cases += run_kvcache(kn["name"], getattr(torch, dtype), d)
                 if d == 64:
                     cases += run_masks_and_varlen(kn["name"], getattr(torch, dtype))
             covered.append(f"{kn['name']} {dtype} d={','.join(map(str, kn['head_dims']))}")
-    cases += run_8bit(covered)
+    cases += run_8bit(covered, kernels)
     torch.cuda.synchronize()
     print(f"cases: {cases} ({'; '.join(covered)})")  # the line the parent reads
 
@@ -104,11 +108,28 @@ def run_masks_and_varlen(kernel, dtype):
     return 5
 
 
-def run_8bit(covered):
+def run_kvcache(kernel, dtype, d):
+    """Decoding against caches of ragged lengths, each cut inside a key block, with NaN past each length (rows
+    the split-KV kernels copy in with the last block and must not let reach O) and a new token appended."""
+    lengths, N_max = [0, 17, 100], 130
+    k_cache, v_cache = (torch.full((3, 2, N_max, d), float("nan"), device="cuda", dtype=dtype) for _ in range(2))
+    for b, n in enumerate(lengths):
+        k_cache[b, :, :n], v_cache[b, :, :n] = (torch.randn(2, n, d, device="cuda") for _ in range(2))
+    q = torch.randn(3, 8, 1, d, device="cuda", dtype=dtype)
+    k, v = (torch.randn(3, 2, 1, d, device="cuda", dtype=dtype) for _ in range(2))
+    o = main.flash_attention_with_kvcache(q, k_cache, v_cache, torch.tensor(lengths, device="cuda"), k, v,
+                                         kernel=kernel)
+    assert torch.isfinite(o).all(), f"non-finite output: {kernel} {dtype} d={d} KV cache"
+    return 1
+
+
+def run_8bit(covered, kernels):
     """quantize and the 8-bit kernels (those this GPU runs) at both tile widths, V as stored and transposed, on
     ragged GQA shapes with N_q != N_k, causal and not, one with the rotation and smoothing."""
     cases, arch = 0, main._arch()
     for dtype in [torch.float8_e4m3fn] * (arch == 90 and main._builds_sm90a()) + [torch.int8] * (arch >= 80):
+        if main.EIGHT_BIT[dtype] not in kernels:
+            continue
         for d in main.EIGHT_BIT_HEAD_DIMS:
             for (N_q, N_k, H_q, H_kv), causal in ((SHAPES[1], True), (SHAPES[2], False), (SHAPES[0], True)):
                 q = torch.randn(1, H_q, N_q, d, device="cuda", dtype=torch.bfloat16)
@@ -130,11 +151,11 @@ def find_sanitizer():
     return path
 
 
-def sanitize(sanitizer, tool, lengths):
+def sanitize(sanitizer, tool, lengths, kernels):
     """Runs --case under one tool. Returns the output, the case line ("cases: ...", None if the cases did not
     all run) and the number of errors the tool reported (None if it printed no summary)."""
     command = [sanitizer, "--tool", tool, "--error-exitcode", "1", *OPTIONS[tool],
-               sys.executable, os.path.abspath(__file__), "--case", lengths]
+               sys.executable, os.path.abspath(__file__), "--kernels", ",".join(kernels), "--case", lengths]
     # One cudaMalloc per tensor instead of PyTorch's cached blocks: an overrun then leaves its allocation
     # (memcheck sees it) and a new tensor is fresh memory (initcheck sees reads of what nothing wrote).
     env = dict(os.environ, PYTORCH_NO_CUDA_MEMORY_CACHING="1")
@@ -154,25 +175,33 @@ if __name__ == "__main__":
     parser.add_argument("--quick", action="store_true", help="N = 130 only")
     parser.add_argument("--case", metavar="LENGTHS", nargs="?", const=LENGTHS,
                         help=f"only run the kernels, on these N (default {LENGTHS}): what each tool watches")
+    everything = [k["name"] for k in main.list_kernels()] + list(main.EIGHT_BIT.values())
+    parser.add_argument("--kernels", default=",".join(everything), help="comma-separated subset of " +
+                        ", ".join(everything) + " (default: all that this GPU runs)")
     args = parser.parse_args()
+    kernels = args.kernels.split(",")
+    if set(kernels) - set(everything):
+        sys.exit(f"unknown kernel in {args.kernels}; choose from {', '.join(everything)}")
     if not torch.cuda.is_available():
         sys.exit("tests/sanitize.py needs a CUDA GPU")
     if args.case:
-        run_cases([int(n) for n in args.case.split(",")])
+        run_cases([int(n) for n in args.case.split(",")], kernels)
         sys.exit(0)
 
     tools = args.tools.split(",")
     if set(tools) - set(TOOLS):
         sys.exit(f"unknown tool in {args.tools}; choose from {', '.join(TOOLS)}")
     sanitizer = find_sanitizer()
-    available = [k["name"] for k in main.list_kernels() if k["available"]]  # built once, outside the sanitizer
+    available = [k["name"] for k in main.list_kernels() if k["available"] and k["name"] in kernels]  # built once,
+    # outside the sanitizer
     main.build(available, sorted({d for k in main.list_kernels() for d in k["head_dims"]}), (64,))
     print(f"GPU: {torch.cuda.get_device_name()}, torch {torch.__version__}, CUDA {torch.version.cuda}")
     print(f"{'tool':<10} {'errors':>6} {'seconds':>7}  kernels covered")
     failed = []
     for tool in tools:
         start = time.time()
-        output, cases, errors = sanitize(sanitizer, tool, "130" if args.quick or tool == "racecheck" else LENGTHS)
+        output, cases, errors = sanitize(sanitizer, tool, "130" if args.quick or tool == "racecheck" else LENGTHS,
+                                         kernels)
         print(f"{tool:<10} {'?' if errors is None else errors:>6} {time.time() - start:>7.0f}  "
               f"{cases or 'the run failed'}", flush=True)
         if errors != 0 or cases is None:

@@ -153,6 +153,30 @@ def test_kvcache_appends_and_attends_per_sequence(kernel, dtype, N_new):
     assert torch.equal(seqlens.cpu(), torch.tensor([0, 17, 250], dtype=torch.int32)), "cache_seqlens was changed"
 
 
+@pytest.mark.parametrize("d", [64, 96, 128])
+@pytest.mark.parametrize("N_q", [1, 16])
+@pytest.mark.parametrize("kernel, dtype", SPLIT_KV)
+def test_decoding_ignores_what_a_cache_holds_past_its_length(kernel, dtype, N_q, d):
+    """A cache's rows past a sequence's length hold anything, here NaN. The split-KV kernels copy whole key blocks
+    (the hopper one by TMA, bounded by N_max alone), so the last block of a sequence brings some of those rows in:
+    their scores are masked, and their V rows must not reach O either, since P = 0 times NaN is NaN. d = 96 copies
+    64-column panels, 64 and 128 whole rows."""
+    torch.manual_seed(d + N_q)
+    B, H_q, H_kv, N_max = 4, 8, 2, 300
+    lengths = [17, 65, 100, 299]  # the last key block (64 keys) cut after 17, 1, 36 and 43 keys
+    q = torch.randn(B, H_q, N_q, d, device="cuda", dtype=DTYPES[dtype])
+    k_cache, v_cache = (torch.full((B, H_kv, N_max, d), math.nan, device="cuda", dtype=DTYPES[dtype]) for _ in range(2))
+    for b, n in enumerate(lengths):
+        k_cache[b, :, :n], v_cache[b, :, :n] = (torch.randn(H_kv, n, d, device="cuda") for _ in range(2))
+    o, L = flash_attention_with_kvcache(q, k_cache, v_cache, torch.tensor(lengths, device="cuda"), kernel=kernel,
+                                        return_lse=True)
+    assert torch.isfinite(o).all() and torch.isfinite(L).all(), "a row past a sequence's length reached O or L"
+    for b, n in enumerate(lengths):
+        exact = reference.attention(q[b:b + 1].double(), k_cache[b:b + 1, :, :n].double(),
+                                    v_cache[b:b + 1, :, :n].double(), causal=True)
+        assert rel_err(o[b:b + 1], exact) < o_tolerance(dtype), f"sequence {b}: error {rel_err(o[b:b + 1], exact):.1e}"
+
+
 def test_kvcache_bad_inputs():
     q, k_cache, v_cache, k, v = cache_problem("auto", "float16", N_new=4)
     for args, kwargs, words in [((3,), dict(k=k), "give both k and v"),
