@@ -1,4 +1,5 @@
-"""What every grader shares: which answer file to grade, how to import it, and how to report a mismatch.
+"""What every grader shares: which answer file to grade, how to import it, which of reference.py's functions it
+may not call, and how to report a mismatch.
 
 A grader in exercises/<NN_name>/ grades the student's file in that folder (starter.py or starter.cu).
 With FLASH_EXERCISE_SOLUTIONS=1 in the environment it grades exercises/solutions/<NN_name>/ instead,
@@ -44,6 +45,23 @@ def load_answer(grader_file, name="starter.py"):
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+def refuse_calls(monkeypatch, answer, module, names, who, why):
+    """Make the functions `names` of `module` (reference.py) raise for the rest of a test, whether the answer calls
+    them through the module or through a name it bound on loading (`from reference import merge`, or
+    `merge = reference.merge`): the exercise is to write them."""
+    for name in names:
+        original = getattr(module, name, None)
+        if original is None:
+            continue
+
+        def refuse(*args, _name=name, **kwargs):
+            raise AssertionError(f"{who} must not call {module.__name__}.{_name}: {why}")
+        monkeypatch.setattr(module, name, refuse)
+        for bound, value in list(vars(answer).items()):
+            if value is original:
+                monkeypatch.setattr(answer, bound, refuse)
 
 
 # ---- comparing numbers ---------------------------------------------------------------------------------

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from _grading import check_all, load_answer, matches  # noqa: E402
+from _grading import check_all, load_answer, matches, refuse_calls  # noqa: E402
 
 import reference  # noqa: E402
 
@@ -24,11 +24,8 @@ F64 = torch.float64
 @pytest.fixture(autouse=True)
 def no_reference_calls(monkeypatch):
     """The exercise is to write the combine: reference.py's attention, forward and merge are off limits."""
-    for name in ("attention", "flash_forward", "merge"):
-        if hasattr(reference, name):
-            def refuse(*args, _name=name, **kwargs):
-                raise AssertionError(f"exercise 01 must not call reference.{_name}: write the combine yourself")
-            monkeypatch.setattr(reference, name, refuse)
+    refuse_calls(monkeypatch, ans, reference, ("attention", "flash_forward", "merge"), "exercise 01",
+                 "write the combine yourself")
 
 
 def t(rows):
@@ -136,11 +133,18 @@ def dense(Q, K, V, causal, scale, mask=None):
 @pytest.mark.parametrize("N,n_splits,causal,scale", [(37, 1, False, None), (37, 3, False, None), (37, 3, True, None),
                                                      (50, 4, True, 0.3), (64, 5, True, None), (3, 5, True, None),
                                                      (1, 2, False, None)])
-def test_split_kv_attention(N, n_splits, causal, scale):
+def test_split_kv_attention(N, n_splits, causal, scale, monkeypatch):
     g = torch.Generator().manual_seed(N * 10 + n_splits)
     d = 8
     Q, K, V = (torch.randn(2, 2, N, d, generator=g, dtype=F64) for _ in range(3))
+    parts_combined, combine = [], ans.combine
+
+    def counted_combine(O_parts, lse2_parts):   # a dense softmax gives the same O and L: see that the parts are used
+        parts_combined.append(len(O_parts))
+        return combine(O_parts, lse2_parts)
+    monkeypatch.setattr(ans, "combine", counted_combine)
     O, L = ans.split_kv_attention(Q, K, V, n_splits, causal=causal, softmax_scale=scale)
+    monkeypatch.setattr(ans, "combine", combine)                # (the probes below call it too)
     sc = 1.0 / math.sqrt(d) if scale is None else scale
     O_ref, L_ref = dense(Q, K, V, causal, sc)
     causes = probe_causes()
@@ -159,3 +163,10 @@ def test_split_kv_attention(N, n_splits, causal, scale):
         causes.append("softmax_scale is ignored (the default 1/sqrt(d) was used)")
     check_all(f"split_kv_attention, N={N}, d={d}, n_splits={n_splits}, causal={causal}, softmax_scale={scale}",
               [("O", O, O_ref, 1e-10), ("L", L, L_ref, 1e-10)], causes)
+    non_empty = sum((s + 1) * N // n_splits > s * N // n_splits for s in range(n_splits))
+    expected = f"its {n_splits} part{'s' * (n_splits > 1)}" + (f" (or the {non_empty} that hold keys)"
+                                                                if non_empty < n_splits else "")
+    assert any(k in (n_splits, non_empty) for k in parts_combined), (
+        f"split_kv_attention, N={N}, n_splits={n_splits}: O and L are right, but combine was "
+        + (f"given {parts_combined} parts" if parts_combined else "never called")
+        + f"; expected it to combine {expected}: compute each part's O_s and lse2_s on its own, then combine them")

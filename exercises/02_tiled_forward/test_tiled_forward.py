@@ -12,10 +12,20 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from _grading import check_all, load_answer, matches  # noqa: E402
+from _grading import check_all, load_answer, matches, refuse_calls  # noqa: E402
+
+import reference  # noqa: E402
 
 ans = load_answer(__file__)
 F64 = torch.float64
+
+
+@pytest.fixture(autouse=True)
+def no_reference_calls(monkeypatch):
+    """The exercise is to write the loop over key blocks: reference.py's attention, forward, merge and mask are off
+    limits."""
+    refuse_calls(monkeypatch, ans, reference, ("attention", "flash_forward", "merge", "_hidden"), "exercise 02",
+                 "write the loop over key blocks yourself")
 
 # (B, H, N, d, B_r, B_c, causal): ragged N on purpose, N = 1, B_r != B_c both ways, causal on and off.
 CASES = [

@@ -34,7 +34,7 @@ def ldmatrix_row_addresses(row_stride_halfs, col_halfs=0):
 
 
 def float4_column_addresses(ld_floats, k=0):
-    """mma_XYt in flash.cu: the 16 threads tx = 0..15 of a half-warp each read a float4 (16 bytes) of
+    """thread_tile_XYt in flash.cu: the 16 threads tx = 0..15 of a half-warp each read a float4 (16 bytes) of
     B[(tx + 16*n) * ld + k] (n = 0 here) from a row-major fp32 tile at address 0 with row stride ld."""
     # TODO 4
     raise NotImplementedError("TODO 4: float4_column_addresses")

@@ -72,7 +72,7 @@ def test_smallest_padding(stride, expected):
 
 @pytest.mark.parametrize("d", [16, 32, 64, 96, 128])
 def test_fp32_kernel_padding_claim(d):
-    """flash.cu pads fp32 rows to ld = d + 4 and says mma_XYt's float4 reads are then conflict-free."""
+    """flash.cu pads fp32 rows to ld = d + 4 and says thread_tile_XYt's float4 reads are then conflict-free."""
     for ld, what in [(d, "unpadded"), (d + 4, "padded, ld = d + 4")]:
         addresses = [4 * (tx * ld) for tx in range(16)]
         got_addresses = ans.float4_column_addresses(ld)

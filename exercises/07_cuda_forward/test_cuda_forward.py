@@ -1,10 +1,12 @@
 """Grader for exercise 07: python exercises/grade.py 07
 
 Three checks of the kernel file:
-  - it compiles with nvcc for sm_80 (a few seconds; skipped without nvcc);
+  - it compiles with nvcc for sm_80 (a few seconds; skipped without nvcc). The starter compiles as given:
+    this check catches what an edit breaks, and it does not pass alone (below);
   - on the CPU: the kernel, cut before its launcher, is built as C++ with the small CUDA stand-in in cpu/
     (one std::thread per CUDA thread, __syncthreads() a real barrier) and run on every case; this
-    grades a machine without a GPU (skipped without a C++ compiler);
+    grades a machine without a GPU (skipped without a C++ compiler, or for a kernel that calls warp
+    shuffles or atomics, which the stand-in does not have: such a kernel is graded on a GPU);
   - on a GPU: binding.cpp + the kernel built with torch.utils.cpp_extension.load and run on every case
     (skipped without a CUDA GPU).
 O and L are compared with dense attention in float64. If neither the CPU nor the GPU run was possible,
@@ -13,6 +15,7 @@ the kernel was not checked, and the grader says NOT GRADED and fails rather than
 import hashlib
 import math
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -33,6 +36,18 @@ CXX = next((c for c in [os.environ.get("CXX"), shutil.which("c++"), shutil.which
 HAS_GPU = torch.cuda.is_available()
 
 
+def gpu_only_calls(source):
+    """The warp shuffles and atomics the kernel calls (comments left out): the CPU stand-in has none of them."""
+    code = re.sub(r"//[^\n]*|/\*.*?\*/", "", source, flags=re.S)
+    return sorted(set(re.findall(r"\b(__shfl\w*|atomic\w*)\s*\(", code)))
+
+
+GPU_ONLY = gpu_only_calls(KERNEL.read_text())
+WHY_NOT_ON_CPU = (f"your kernel calls {', '.join(GPU_ONLY)}, which the CPU stand-in does not have: it is graded "
+                  f"on a GPU" if GPU_ONLY else "no C++ compiler: c++, g++ or clang++; or set CXX")
+RUNS_ON_CPU = CXX is not None and not GPU_ONLY
+
+
 def find_nvcc():
     from torch.utils.cpp_extension import CUDA_HOME
     candidates = [shutil.which("nvcc")] + ([os.path.join(CUDA_HOME, "bin", "nvcc")] if CUDA_HOME else [])
@@ -51,19 +66,16 @@ def test_compiles_with_nvcc(tmp_path):
     assert result.returncode == 0, f"nvcc could not compile {KERNEL.name}:\n{result.stderr[-4000:]}"
     print(f"{KERNEL.name} compiles for sm_80; ptxas:\n" + "\n".join(
         line for line in result.stderr.splitlines() if "registers" in line or "spill" in line))
-
-
-def test_kernel_was_checked():
-    """Fails, as NOT GRADED, when the kernel could run nowhere: a compile check alone grades nothing."""
-    assert HAS_GPU or CXX, ("NOT GRADED: no CUDA GPU and no C++ compiler (c++, g++ or clang++; or set CXX), so "
-                            "your kernel was not run; install a C++ compiler to grade it on the CPU")
+    # a compile check alone grades nothing: it passes only where the kernel also runs, on the CPU or a GPU
+    assert HAS_GPU or RUNS_ON_CPU, (f"NOT GRADED: your kernel compiles, but was not run: no CUDA GPU here, and "
+                                    f"no CPU run ({WHY_NOT_ON_CPU})")
 
 
 @pytest.fixture(scope="module")
 def cpu_emulation():
     """Path of the CPU build of the kernel (cached in build/ by a hash of the sources)."""
-    if CXX is None:
-        pytest.skip("the CPU run (no C++ compiler: c++, g++ or clang++; or set CXX)")
+    if not RUNS_ON_CPU:
+        pytest.skip(f"the CPU run ({WHY_NOT_ON_CPU})")
     source = KERNEL.read_text()
     cut = source.find('\nextern "C"')
     assert cut > 0, f"{KERNEL.name}: the extern \"C\" launcher at the bottom is missing (it is given: restore it)"

@@ -12,7 +12,9 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from _grading import check_all, load_answer, matches  # noqa: E402
+from _grading import check_all, load_answer, matches, refuse_calls  # noqa: E402
+
+import reference  # noqa: E402
 
 ans = load_answer(__file__)
 F64 = torch.float64
@@ -20,6 +22,13 @@ HEADS = [(8, 2), (8, 1), (8, 8), (32, 8), (6, 3)]                          # (H_
 # (B, H_q, H_kv, N_q, N_k): a group of 4, MQA, a decoding step, N_q > N_k (rows that see no key when causal),
 # equal lengths
 SHAPES = [(2, 8, 2, 5, 11), (1, 4, 1, 1, 37), (2, 6, 3, 9, 4), (1, 4, 4, 7, 7), (2, 8, 2, 3, 20)]
+
+
+@pytest.fixture(autouse=True)
+def no_reference_calls(monkeypatch):
+    """The exercise is to write them: reference.py's attention, forward, mask and GQA helpers are off limits."""
+    refuse_calls(monkeypatch, ans, reference, ("attention", "flash_forward", "_hidden", "_query_heads",
+                                               "_sum_over_groups"), "exercise 09", "write it yourself")
 
 
 def mask_by_loops(N_q, N_k, shift):
@@ -134,12 +143,40 @@ def test_sum_over_groups_is_the_gradient_of_shared_heads(H_q, H_kv):
     check_all(f"sum_over_groups, H_q={H_q}, H_kv={H_kv}", [("dK", got, K.grad, 1e-12)], causes)
 
 
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "B{}-Hq{}-Hkv{}-Nq{}-Nk{}".format(*s))
+def test_pack_rows(shape):
+    B, H_q, H_kv, N_q, N_k = shape
+    G = H_q // H_kv
+    Q = problem(*shape, seed=sum(shape) + 2)[0]
+    got = ans.pack_rows(Q, H_kv)
+
+    def stacked(head_of):  # (B, H_kv, N_q G, d): row x of block h_kv is query x // G of head head_of(h_kv, x % G)
+        return torch.stack([torch.stack([Q[:, head_of(h_kv, x % G), x // G] for x in range(N_q * G)], dim=1)
+                            for h_kv in range(H_kv)], dim=1)
+    expected = stacked(lambda h_kv, g: h_kv * G + g)
+    causes = []
+    if isinstance(got, torch.Tensor) and tuple(got.shape) == tuple(expected.shape):
+        if G > 1 and N_q > 1 and matches(got, Q.reshape(expected.shape), 0.0):
+            causes.append("head-major (a plain reshape, flash.cu's order: row x is query x % N_q): here the rows are "
+                          "query-major, so trade the head and query dimensions of the (B, H_kv, G, N_q, d) view first")
+        if H_kv not in (1, H_q) and matches(got, stacked(lambda h_kv, g: g * H_kv + h_kv), 0.0):
+            causes.append("block h_kv holds query heads h_kv + H_kv g (heads interleaved): the G query heads of a "
+                          "group are consecutive, h_kv G + g")
+    check_all(f"pack_rows, (B, H_q, H_kv, N_q, N_k) = {shape}", [("packed rows", got, expected, 0.0)], causes)
+
+
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "B{}-Hq{}-Hkv{}-Nq{}-Nk{}".format(*s))
 def test_decode_packed(shape, causal, monkeypatch):
     def refuse(*args, **kwargs):
         raise AssertionError("decode_packed must compute on the packed rows itself, not call attention_gqa")
     monkeypatch.setattr(ans, "attention_gqa", refuse)
+    pack_calls, pack_rows = [], ans.pack_rows
+
+    def counted_pack_rows(Q, H_kv):   # head-major rows give the same O and L: see that the rows are pack_rows'
+        pack_calls.append(tuple(Q.shape))
+        return pack_rows(Q, H_kv)
+    monkeypatch.setattr(ans, "pack_rows", counted_pack_rows)
     Q, K, V = problem(*shape, seed=sum(shape) + 1)
     O, L = ans.decode_packed(Q, K, V, causal=causal)
     O_ref, L_ref = dense(Q, K, V, causal)
@@ -161,3 +198,7 @@ def test_decode_packed(shape, causal, monkeypatch):
                           "that order (a transpose of the query and head dimensions, then the reshape)")
     check_all(f"decode_packed, (B, H_q, H_kv, N_q, N_k) = {shape}, causal={causal}",
               [("O", O, O_ref, 1e-10), ("L", L, L_ref, 1e-10)], causes)
+    assert tuple(Q.shape) in pack_calls, (
+        f"decode_packed, (B, H_q, H_kv, N_q, N_k) = {shape}: O and L are right, but "
+        + (f"pack_rows was called on shapes {pack_calls}, not on Q" if pack_calls else "pack_rows was never called")
+        + ": attend on the query-major rows pack_rows(Q, H_kv) gives (test_pack_rows checks their order)")

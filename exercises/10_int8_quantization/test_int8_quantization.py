@@ -12,10 +12,19 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from _grading import check_all, load_answer, matches  # noqa: E402
+from _grading import check_all, load_answer, matches, refuse_calls  # noqa: E402
+
+import reference  # noqa: E402
 
 ans = load_answer(__file__)
 F64 = torch.float64
+
+
+@pytest.fixture(autouse=True)
+def no_reference_calls(monkeypatch):
+    """The exercise is to write the quantization: reference.py's 8-bit functions are off limits."""
+    refuse_calls(monkeypatch, ans, reference, ("quantize_blocks", "round_8bit", "rotation", "attention_8bit"),
+                 "exercise 10", "write it yourself")
 
 
 def quantize_ref(X, rows, qmax=127, rounding=torch.round, per="block"):

@@ -7,7 +7,7 @@
 // blockDim per launch; __syncthreads() as a barrier of the block's threads (a thread that never reaches
 // it is reported, not waited for forever); the float math functions a kernel like this one uses.
 // What is not: warp shuffles, atomics, vector types, textures: a kernel using them does not compile
-// here and is graded on a GPU only.
+// here (the grader skips the CPU run of one that calls shuffles or atomics) and is graded on a GPU only.
 #pragma once
 #include <algorithm>
 #include <chrono>

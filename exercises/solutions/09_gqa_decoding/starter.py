@@ -1,5 +1,5 @@
 """Exercise 09: grouped-query attention, the bottom-right causal mask, and a decoding step's packed rows. Fill in
-the five TODOs; README.md says what each one is for.
+the six TODOs; README.md says what each one is for.
 
 Shapes: Q (B, H_q, N_q, d); K, V (B, H_kv, N_k, d), with H_kv dividing H_q: G = H_q // H_kv query heads share
 each key/value head. Everything in float64, softmax scale 1 / sqrt(d).
@@ -46,16 +46,26 @@ def sum_over_groups(dX, H_kv):
     return dX.reshape(B, H_kv, H_q // H_kv, N_k, d).sum(dim=2)
 
 
+def pack_rows(Q, H_kv):
+    """A decoding step's packed rows, (B, H_kv, N_q G, d) from Q (B, H_q, N_q, d): for each sequence and key/value
+    head h_kv, the rows of its G query heads stacked into one block of queries, query-major: row x is query x // G
+    of head h_kv G + x % G, so that the G rows of one query sit together (flash.cu packs the other way, head-major:
+    notebook 09, section 5)."""
+    # TODO 5
+    B, H_q, N_q, d = Q.shape
+    G = H_q // H_kv
+    return Q.reshape(B, H_kv, G, N_q, d).transpose(2, 3).reshape(B, H_kv, N_q * G, d)  # row x: (x // G, x % G)
+
+
 def decode_packed(Q, K, V, causal=False):
     """attention_gqa's O and L, computed on packed rows as a decoding kernel does: for each sequence and key/value
-    head h_kv, the rows of its G query heads stacked into one (N_q G, d) block of queries, query-major: row x is
-    query x // G of head h_kv G + x % G, so that the G rows of one query sit together (flash.cu packs the other
-    way, head-major: notebook 09, section 5). The head's K and V serve the whole group at once; then unstacked."""
-    # TODO 5
+    head, the block of rows pack_rows(Q, H_kv) gives attends to the head's K and V once, for the whole group; then
+    O and L are unstacked to (B, H_q, N_q, d) and (B, H_q, N_q)."""
+    # TODO 6
     B, H_q, N_q, d = Q.shape
     H_kv, N_k = K.shape[1], K.shape[2]
     G = H_q // H_kv
-    rows = Q.reshape(B, H_kv, G, N_q, d).transpose(2, 3).reshape(B, H_kv, N_q * G, d)  # row x: (x // G, x % G)
+    rows = pack_rows(Q, H_kv)                                             # (B, H_kv, N_q G, d)
     S = rows @ K.transpose(-1, -2) / math.sqrt(d)                         # (B, H_kv, N_q G, N_k)
     if causal:
         S = S.masked_fill(~visible(N_q, N_k)[torch.arange(N_q * G) // G], -math.inf)  # row x is query x // G
