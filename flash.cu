@@ -3583,13 +3583,17 @@ size_t max_smem_per_block() {
   return limit ? std::min<size_t>(device_smem_per_block(), std::strtoull(limit, nullptr, 10)) : device_smem_per_block();
 }
 
-// Kernels that need more than 48 KB of shared memory must ask for it before their first launch. A launcher
-// that has no smaller tiles left to try lands here with tiles too big for this GPU: a clear error.
+// Kernels that need more than 48 KB of shared memory must ask for it before their first launch (or occupancy
+// query). A launcher that has no smaller tiles left to try lands here with tiles too big for this GPU: a clear error.
 template <typename Kernel>
-void launch(Kernel kernel, dim3 grid, int threads, size_t smem, cudaStream_t stream, auto... args) {
+void allow_smem(Kernel kernel, size_t smem) {
   TORCH_CHECK(smem <= device_smem_per_block(), "this kernel's tiles need ", smem, " bytes of shared memory per block ",
               "at this head dim; this GPU gives a block ", device_smem_per_block());
   CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
+}
+template <typename Kernel>
+void launch(Kernel kernel, dim3 grid, int threads, size_t smem, cudaStream_t stream, auto... args) {
+  allow_smem(kernel, smem);
   kernel<<<grid, threads, smem, stream>>>(args...);
   CUDA_CHECK(cudaGetLastError());
 }
@@ -3739,7 +3743,7 @@ void fwd_ampere(const at::Tensor& Q, const at::Tensor& K, const at::Tensor& V, a
   // bytes of spills) let two blocks share an SM. Past d = 128 one tile per warp (M = 1, B_r = 64) keeps O_i
   // in registers.
   // Where a block gets less shared memory (d = 128: 102 KB, more than the 99 KB of sm_86 and sm_89; d = 256:
-  // 169 KB, more than an A100's 163 KB), B_c is halved until the tiles fit.
+  // 165 KB, more than an A100's 163 KB), B_c is halved until the tiles fit.
   constexpr int NW = 4, M = d <= 128 ? 2 : 1, B_r = 16 * M * NW;
   const int N_q = sc.mask.N_q, *cu_q = sc.mask.cu_q, *cu_k = sc.mask.cu_k;
   const size_t smem = sizeof(T) * (B_r + 4 * B_c) * (d + 8);
@@ -3759,7 +3763,7 @@ void bwd_ampere(const at::Tensor& Q, const at::Tensor& K, const at::Tensor& V, c
   // FlashAttention-2 on sm_80 (255 registers at d = 128; nvcc 13.0 spills 56 and 8 bytes for sm_80 at d = 64 and
   // 128, 68 and 40 for sm_90a, where the hopper kernel runs instead, none in sm_86's and sm_89's smaller tiles
   // below). Past d = 128 each block writes DC = d/2 columns (see the kernel) and has four warps: its tiles then
-  // take 162 KB at d = 192, 211 KB at d = 256.
+  // take 160 KB at d = 192, 208 KB at d = 256.
   // Where a block gets less shared memory (sm_86 and sm_89: 99 KB; an A100 at d = 256: 163 KB), the warps and
   // B_r are halved together, so that each warp keeps its share of dQ_i, until the tiles fit.
   constexpr int B_c = 16 * NW, DC = d <= 128 ? d : d / 2;
@@ -3808,9 +3812,9 @@ template <typename T, int d>
 void bwd_hopper(const at::Tensor& Q, const at::Tensor& K, const at::Tensor& V, const at::Tensor& dO,
                 const at::Tensor& L, const at::Tensor& D, at::Tensor& dQ, at::Tensor& dK, at::Tensor& dV,
                 const Scores& sc, float scale, cudaStream_t stream) {
-  // d <= 64: a third stage of Q_i, dO_i was faster; at d = 128 it gained nothing, and would take the shared
-  // memory to 226 KB. B_c = 128 up to d = 128, else 64 (the consumers split columns: see the kernel), which
-  // takes 226 KB at d = 256.
+  // d <= 64: a third stage of Q_i, dO_i was faster; at d = 128 it gained nothing (before the dQ tile, beside
+  // which it would now take 259 KB). B_c = 128 up to d = 128, else 64 (the consumers split columns: see the
+  // kernel), which takes 226 KB at d = 192 and 256.
   constexpr int B_c = d <= 128 ? 128 : 64, STAGES = d <= 64 ? 3 : 2;
   using Tiles = BwdTiles<T, d, B_c, STAGES>;  // (B_r and the shared memory's bytes)
   constexpr int B_r = Tiles::B_r;
@@ -3901,7 +3905,7 @@ void decode(const at::Tensor& Q, const at::Tensor& K, const at::Tensor& V, at::T
   if (!slots[device]) {       // (the occupancy query costs more than a short decoding step)
     int sms, per_sm;
     CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
-    CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
+    allow_smem(kernel, smem);
     CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, threads, smem));
     slots[device] = sms * per_sm;
   }

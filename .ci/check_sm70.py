@@ -17,13 +17,16 @@ import tempfile
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 CUDA = pathlib.Path(sys.argv[1]) / "nvidia"
 
-# Every instantiation a launcher can pick on a V100 (96 KB of shared memory per block): the Volta kernel,
-# and the fp32 kernels at every head dim with every B_r their launchers may fall back to.
-KERNELS = [f"flash_fwd_volta<{d}, 4>" for d in (64, 128)]
-KERNELS += [f"flash_fwd_fp32<{d}, {B_r}, {64 if d <= 64 else 32}>" for d in (16, 32, 64, 96, 128) for B_r in (64, 32)]
-KERNELS += [f"flash_bwd_fp32<{d}, {B_r}, {64 if d <= 64 else 32}>" for d in (16, 32, 64, 96, 128)
-            for B_r in ((64, 32, 16) if d <= 64 else (32, 16))]
-KERNELS += [f"flash_bwd_preprocess<float, {d}>" for d in (16, 32, 64, 96, 128)]
+# Every instantiation a launcher can pick on a V100 (96 KB of shared memory per block): the Volta kernel at each
+# of its tile widths, and the fp32 kernels at each of theirs with every B_r their launchers may fall back to (at
+# d = 256 those tiles exceed 96 KB, and the launch stops with an error, but they compile all the same).
+FP32_DIMS = (16, 32, 64, 96, 128, 160, 192, 256)
+KERNELS = [f"flash_fwd_volta<{d}, 4>" for d in (32, 64, 128)]
+KERNELS += [f"flash_fwd_fp32<{d}, {B_r}, {64 if d <= 64 else 32}>" for d in FP32_DIMS
+            for B_r in ((64, 32) if d <= 128 else (32,))]
+KERNELS += [f"flash_bwd_fp32<{d}, {B_r}, {64 if d <= 64 else 32}>" for d in FP32_DIMS
+            for B_r in ((64, 32, 16) if d <= 64 else (32, 16) if d <= 128 else (16,))]
+KERNELS += [f"flash_bwd_preprocess<float, {d}>" for d in FP32_DIMS]
 OPTIONS = ["--gpu-architecture=compute_70", "-std=c++17", f"-I{CUDA / 'cuda_runtime' / 'include'}",
            # nvcc compiles a lambda inside a kernel for the device; NVRTC takes a generic lambda's call operator
            # (the fp32 kernels' each_entry) for a host function unless told this. (Functions missing __device__
