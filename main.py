@@ -86,14 +86,31 @@ def list_kernels():
             for name, k in KERNELS.items()]
 
 
+def _check_no_grad(function, q, k, v):
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if isinstance(t, torch.Tensor) and t.requires_grad and torch.is_grad_enabled():
+            raise ValueError(f"{function} is forward only (inference) and has no gradient, but {name} requires grad: "
+                             "call it under torch.no_grad() or pass detached tensors")
+
+
+def _check_kernel_name(kernel):
+    if not isinstance(kernel, str):
+        raise TypeError(f"kernel must be a string, got {type(kernel).__name__}")
+    if kernel != "auto" and kernel not in KERNELS:
+        raise ValueError(f"unknown kernel {kernel!r}; valid: 'auto', " + ", ".join(repr(n) for n in KERNELS))
+
+
 @functools.cache
 def pick_kernel(dtype, d, arch, kernel="auto", sm90a=True):
     """The kernel that runs dtype ("float16", ...) with head dim d on sm_<arch>: for "auto" the most specialised
     that fits (float16: volta on sm_70, turing on sm_75, ampere from sm_80 on, hopper on sm_90), else the one
     named if it fits. A kernel fits any d up to its widest tile (tile_dim). sm90a: flash.cu is built for sm_90a
     (the hopper kernel needs it)."""
+    if not isinstance(dtype, str):
+        raise TypeError(f"dtype must be a name such as 'float16', got {dtype!r}")
     fits = [n for n, kn in KERNELS.items()
-            if dtype in kn["dtypes"] and d <= max(kn["head_dims"]) and _runs_on(kn, arch, sm90a)]
+            if dtype in kn["dtypes"] and 1 <= d <= max(kn["head_dims"]) and _runs_on(kn, arch, sm90a)]
+    _check_kernel_name(kernel)
     if kernel == "auto":
         if not fits:
             raise ValueError(f"no kernel takes dtype {dtype} with head dim {d} on sm_{arch}; kernels: "
@@ -113,6 +130,8 @@ def tile_dim(kernel, d):
     """The narrowest tile width of kernel that holds head dim d: its kernels run on q, k, v padded with zeros to
     that width (which adds 0 to every score q.k and gives output columns that are dropped). d = 80 runs on the
     96-wide tiles, d = 111 on the 128-wide."""
+    if not 1 <= d <= max(KERNELS[kernel]["head_dims"]):
+        raise ValueError(f"kernel {kernel!r} takes head dims 1 to {max(KERNELS[kernel]['head_dims'])}, got {d}")
     return min(D for D in KERNELS[kernel]["head_dims"] if D >= d)
 
 
@@ -227,6 +246,13 @@ def _padded(t, D):
     return t if t.shape[-1] == D else torch.nn.functional.pad(t, (0, D - t.shape[-1]))
 
 
+def _in_layout(x, like):
+    """x in the layout torch.empty_like(like) has (like's where that is dense, else contiguous): the layout the ops'
+    fake implementations promise for O, dK and dV, which torch.compile relies on."""
+    out = torch.empty_like(like, dtype=x.dtype)
+    return x if x.stride() == out.stride() else out.copy_(x)
+
+
 def _run_forward(q, k, v, window, scale, softcap, alibi_slopes, kernel, seqlens_k=None, packed=None, dropout_p=0.0,
                  dropout_key=None):
     """O (B, H_q, N_q, d) and L (B, H_q, N_q), the row log-sum-exp in natural log, float32. window: (left, right),
@@ -243,8 +269,8 @@ def _run_forward(q, k, v, window, scale, softcap, alibi_slopes, kernel, seqlens_
         o, L = load(kernel, D, packed is not None, dropout_p > 0).forward(
             q_, k_, v_, *window, scale, softcap, alibi_slopes, seqlens_k, *(packed or (None, None, 0, 0)),
             dropout_p, dropout_key if dropout_p > 0 else None, _stream(q))
-    if D != d:  # the first d columns, in q's layout as the op's fake implementation says
-        o = torch.empty_like(q).copy_(o[..., :d])
+    if q_ is not q:  # (the kernel wrote O in the layout of a padded or copied q)
+        o = _in_layout(o[..., :d], q)
     return o, L
 
 
@@ -289,7 +315,7 @@ def _run_backward(do, dL, q, k, v, o, L, window_left, window_right, scale, softc
     """_backward's work; packed, dropout_p, dropout_key: as in _run_forward."""
     kernel = pick_kernel(DTYPES[q.dtype], q.shape[-1], _arch(q.device), kernel, _builds_sm90a())
     if q.numel() == 0 or k.numel() == 0:
-        return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+        return q.new_zeros(q.shape), torch.zeros_like(k), torch.zeros_like(v)
     name, dtype = KERNELS[kernel]["backward_kernel"], q.dtype
     d, D = q.shape[-1], tile_dim(name, q.shape[-1])
     tensors = [_readable(_padded(t, D)) for t in (q, k, v, o, do)]
@@ -300,11 +326,11 @@ def _run_backward(do, dL, q, k, v, o, L, window_left, window_right, scale, softc
         dq, dk, dv = load(name, D, packed is not None, dropout_p > 0, deterministic).backward(
             q_, k_, v_, o_, L, do_, dL, window_left, window_right, scale, softcap, alibi_slopes,
             *(packed or (None, None, 0, 0)), dropout_p, dropout_key if dropout_p > 0 else None, _stream(q))
-    if D != d:
-        dq, dk, dv = (x[..., :d].contiguous() for x in (dq, dk, dv))
+    dq, dk, dv = (x[..., :d] for x in (dq, dk, dv))
     if dk.shape[1] != k.shape[1]:  # grouped-query attention: one dK, dV per query head, summed over each group
         dk, dv = (x.unflatten(1, (k.shape[1], -1)).sum(2) for x in (dk, dv))
-    return dq.to(dtype), dk.to(dtype), dv.to(dtype)
+    # (the kernels made dQ, dK, dV for the padded, copied or ungrouped q, k, v they read)
+    return dq.to(dtype).contiguous(), _in_layout(dk.to(dtype), k), _in_layout(dv.to(dtype), v)
 
 
 def _setup_context(ctx, inputs, output):
@@ -353,10 +379,7 @@ def _check_inputs(q, k, v, causal, softmax_scale, kernel, return_lse, window=(-1
     if not isinstance(return_lse, bool):
         raise TypeError(f"return_lse must be True or False, got {return_lse!r}")
     _check_scores(q, window, alibi_slopes, softcap, q_shape[0] if B is None else B)
-    if not isinstance(kernel, str):
-        raise TypeError(f"kernel must be a string, got {type(kernel).__name__}")
-    if kernel != "auto" and kernel not in KERNELS:
-        raise ValueError(f"unknown kernel {kernel!r}; valid: 'auto', " + ", ".join(repr(n) for n in KERNELS))
+    _check_kernel_name(kernel)
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not t.is_cuda:
             raise ValueError(f"{name} must be a CUDA tensor, got a tensor on {t.device}")
@@ -368,12 +391,16 @@ def _check_inputs(q, k, v, causal, softmax_scale, kernel, return_lse, window=(-1
         raise ValueError(f"B and H must each be at most {MAX_GRID}, got B = {q_shape[0]}, H = {q_shape[1]}")
 
 
+FLOAT32_SCALE_MAX = torch.finfo(torch.float32).max / math.log2(math.e)  # a scale or softcap float32 still holds
+
+
 def _check_causal_and_scale(causal, softmax_scale):
     if not isinstance(causal, bool):
         raise TypeError(f"causal must be True or False, got {causal!r}")
     if softmax_scale is not None and (isinstance(softmax_scale, bool) or not isinstance(softmax_scale, (int, float))
-                                      or not math.isfinite(softmax_scale)):
-        raise ValueError(f"softmax_scale must be None or a finite number, got {softmax_scale!r}")
+                                      or not abs(softmax_scale) <= FLOAT32_SCALE_MAX):
+        raise ValueError(f"softmax_scale must be None or a finite number of at most {FLOAT32_SCALE_MAX:.3g} in size "
+                         f"(the kernels multiply it by log2(e) in float32), got {softmax_scale!r}")
 
 
 def _check_scores(q, window, alibi_slopes, softcap, B):
@@ -382,8 +409,9 @@ def _check_scores(q, window, alibi_slopes, softcap, B):
             or any(isinstance(w, bool) or not isinstance(w, int) or w < -1 for w in window)):
         raise ValueError(f"window_size must be a pair of integers (left, right), each >= -1 (-1: no bound), "
                          f"got {window!r}")
-    if isinstance(softcap, bool) or not isinstance(softcap, (int, float)) or not math.isfinite(softcap) or softcap < 0:
-        raise ValueError(f"softcap must be a finite number >= 0 (0: off), got {softcap!r}")
+    if isinstance(softcap, bool) or not isinstance(softcap, (int, float)) or not 0 <= softcap <= FLOAT32_SCALE_MAX:
+        raise ValueError(f"softcap must be a number from 0 (off) to {FLOAT32_SCALE_MAX:.3g} (float32's range), got "
+                         f"{softcap!r}")
     if alibi_slopes is not None:
         H_q = q.shape[1]
         if not isinstance(alibi_slopes, torch.Tensor):
@@ -421,13 +449,16 @@ def dropout_mask(q, k, dropout_p, dropout_seed):
     dropout_seed=dropout_seed): the entries of P it keeps (and scales by reference.dropout_scale(dropout_p)).
     Computed by reference.dropout_keep from the same Philox bits as the kernels, on q's device."""
     import reference
+    if isinstance(dropout_seed, bool) or not isinstance(dropout_seed, int):
+        raise TypeError(f"dropout_mask needs the call's dropout_seed, an int (a call without one draws its key from "
+                        f"PyTorch's generator, which cannot be read back), got {dropout_seed!r}")
     return reference.dropout_keep(dropout_seed, (q.shape[0], q.shape[1], q.shape[2], k.shape[2]), dropout_p, q.device)
 
 
 def _options(causal, window, alibi_slopes, softcap):
     """The arguments the kernels take: window (left, right) with causal as right = 0 (FlashAttention's rule),
     softcap as a float, the slopes contiguous."""
-    left, right = window
+    left, right = (min(w, 2 ** 31 - 1) for w in window)  # (a side past any sequence's length bounds nothing)
     return (left, 0 if causal else right), float(softcap), None if alibi_slopes is None else alibi_slopes.contiguous()
 
 
@@ -438,10 +469,11 @@ def flash_attention(q, k, v, causal=False, softmax_scale=None, kernel="auto", re
     where H_kv divides H_q: query head h reads key/value head h // (H_q / H_kv) (grouped-query attention).
 
     causal: aligned to the bottom right, as in FlashAttention: query i sees keys j <= i + N_k - N_q (for
-    N_q = N_k, keys 0..i); a query that sees no key (N_q > N_k) gets 0, and L = -inf. softmax_scale: default
-    1/sqrt(d). kernel: "auto" picks the best for this dtype and GPU; a name from list_kernels() forces that
-    kernel. return_lse: also return L (B, H_q, N_q), float32, the natural-log log-sum-exp of each row of
-    scores (FlashAttention's softmax_lse), which lets partial results be merged (reference.merge).
+    N_q = N_k, keys 0..i); a query that sees no key (N_q > N_k) gets 0, and L = -inf (FlashAttention-2's
+    non-split kernels give +inf there). softmax_scale: default 1/sqrt(d). kernel: "auto" picks the best for this
+    dtype and GPU; a name from list_kernels() forces that kernel. return_lse: also return L (B, H_q, N_q),
+    float32, the natural-log log-sum-exp of each row of scores (FlashAttention's softmax_lse), which lets
+    partial results be merged (reference.merge).
     Differentiable, L included. On the split_kv kernels, N_q <= SPLIT_KV_MAX_QUERIES (decoding) runs a
     split-KV kernel that spreads the keys over the GPU.
 
@@ -487,9 +519,13 @@ def flash_attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, k=None, v=N
     sees them up to itself (bottom right). Decoding (N_q <= SPLIT_KV_MAX_QUERIES on a split_kv kernel) reads
     the lengths on the GPU; otherwise each sequence is one flash_attention call on a view of its cache.
     window_size, alibi_slopes, softcap: as flash_attention's, aligned to each sequence's own length.
+    FlashAttention's flash_attn_with_kvcache differs: (B, N, H, d) tensors, causal=False by default, cache_seqlens
+    optional (None: the whole cache), return_softmax_lse for return_lse.
     """
-    if not isinstance(k_cache, torch.Tensor) or not isinstance(v_cache, torch.Tensor):
-        raise TypeError("k_cache and v_cache must be torch.Tensors")
+    for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    _check_no_grad("flash_attention_with_kvcache", q, k, v)
     _check_inputs(q, k_cache, v_cache, causal, softmax_scale, kernel, return_lse, window_size, alibi_slopes,
                   softcap)
     B, H_kv, N_max, d = k_cache.shape
@@ -508,11 +544,17 @@ def flash_attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, k=None, v=N
                                                     or cache_seqlens.dtype == torch.bool):
         raise ValueError(f"cache_seqlens must be an integer tensor of shape ({B},), got {cache_seqlens.dtype} "
                          f"{tuple(cache_seqlens.shape)}")
-    seqlens = torch.as_tensor(cache_seqlens, device=q.device).to(torch.int32).expand(B).contiguous()
-    lengths = (seqlens + N_new).tolist()  # (one synchronisation: a bad length must raise, not fault on the GPU)
-    if min(lengths) < N_new or max(lengths) > N_max:
+    # Checked as Python ints, before any cast that could wrap them (one synchronisation: a bad length must raise,
+    # not fault on the GPU)
+    given = cache_seqlens.tolist() if isinstance(cache_seqlens, torch.Tensor) else [cache_seqlens] * B
+    if not all(0 <= n <= N_max - N_new for n in given):
         raise ValueError(f"cache_seqlens + N_new must lie in [N_new, N_max] = [{N_new}, {N_max}] for every sequence, "
-                         f"got cache_seqlens = {(seqlens).tolist()}, N_new = {N_new}")
+                         f"got cache_seqlens = {given if B <= 16 else given[:16] + ['...']}, N_new = {N_new}")
+    if B == 0:
+        o = q.new_empty(q.shape)
+        return (o, q.new_empty(q.shape[:-1], dtype=torch.float32)) if return_lse else o
+    seqlens = torch.tensor(given, dtype=torch.int32, device=q.device)
+    lengths = [n + N_new for n in given]
     if N_new:  # append: k_cache[b, :, seqlens[b] + n] = k[b, :, n]
         positions = seqlens[:, None].long() + torch.arange(N_new, device=q.device)        # (B, N_new)
         batch = torch.arange(B, device=q.device)[:, None]
@@ -635,9 +677,13 @@ def flash_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     draws the mask of batch b of a padded batch (reference.dropout_keep(..., first_batch=b)), its rows and keys
     counted from its own start."""
     for name, t in (("q", q), ("k", k), ("v", v)):
-        if not isinstance(t, torch.Tensor) or t.dim() != 3:
-            raise ValueError(f"{name} must be a packed tensor (total, H, d), got "
-                             + (f"shape {tuple(t.shape)}" if isinstance(t, torch.Tensor) else type(t).__name__))
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.dim() != 3:
+            raise ValueError(f"{name} must be a packed tensor (total, H, d), got shape {tuple(t.shape)}")
+    if k.shape != v.shape or q.shape[2] != k.shape[2]:
+        raise ValueError(f"q (total_q, H_q, d) and k, v (total_k, H_kv, d) must have the same d, and k and v one "
+                         f"shape, got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
     for name, cu in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)):
         if (not isinstance(cu, torch.Tensor) or cu.dtype != torch.int32 or cu.dim() != 1 or cu.numel() < 2
                 or cu.device != q.device):
@@ -648,8 +694,8 @@ def flash_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
         raise ValueError(f"cu_seqlens_q and cu_seqlens_k must describe the same B sequences, got {cu_seqlens_q.numel()}"
                          f" and {cu_seqlens_k.numel()} entries")
     for name, n in (("max_seqlen_q", max_seqlen_q), ("max_seqlen_k", max_seqlen_k)):
-        if isinstance(n, bool) or not isinstance(n, int) or n < 0:
-            raise ValueError(f"{name} must be an integer >= 0, got {n!r}")
+        if isinstance(n, bool) or not isinstance(n, int) or not 0 <= n < 2 ** 31:
+            raise ValueError(f"{name} must be an integer in [0, 2^31), got {n!r}")
     B = cu_seqlens_q.numel() - 1
     if B > MAX_GRID:
         raise ValueError(f"B must be at most {MAX_GRID} sequences, got {B}")
@@ -761,21 +807,24 @@ def quantize(q, k, v, dtype=torch.float8_e4m3fn, rotate=False, smooth_k=None, tr
     for int8): k minus its mean over the keys, which the softmax cancels. transpose_v (default: on for fp8, which
     only fp8 takes): v written transposed, so that the kernel need not transpose it (the faster call end to end:
     README). One fused kernel per tensor (a second pass, for k's mean, if smoothed)."""
+    if dtype not in EIGHT_BIT:
+        raise ValueError(f"dtype must be torch.float8_e4m3fn or torch.int8, got {dtype}")
+    transpose_v = dtype == torch.float8_e4m3fn if transpose_v is None else transpose_v
+    smooth_k = dtype == torch.int8 if smooth_k is None else smooth_k
+    for name, flag in (("rotate", rotate), ("smooth_k", smooth_k), ("transpose_v", transpose_v)):
+        if not isinstance(flag, bool):
+            raise TypeError(f"{name} must be True or False, got {flag!r}")
+    if transpose_v and dtype != torch.float8_e4m3fn:
+        raise ValueError(f"transpose_v is for fp8 (the int8 kernel keeps v in fp16/bf16, read as stored), got dtype "
+                         f"{dtype}")
+    if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2 ** 32:
+        raise ValueError(f"seed must be an integer in [0, 2^32), got {seed!r}")
     for name, t in (("q", q), ("k", k), ("v", v)):  # (the rest of flash_attention's checks follow)
         if isinstance(t, torch.Tensor) and t.dtype not in (torch.float16, torch.bfloat16):
             raise TypeError(f"8-bit attention quantizes float16 or bfloat16 inputs; {name} is {t.dtype}")
     _check_inputs(q, k, v, False, None, "auto", False)
-    if dtype not in EIGHT_BIT:
-        raise ValueError(f"dtype must be torch.float8_e4m3fn or torch.int8, got {dtype}")
     if q.shape[-1] > max(EIGHT_BIT_HEAD_DIMS):
         raise ValueError(f"8-bit attention takes head dims up to {max(EIGHT_BIT_HEAD_DIMS)}, got d = {q.shape[-1]}")
-    transpose_v = dtype == torch.float8_e4m3fn if transpose_v is None else transpose_v
-    for name, flag in (("rotate", rotate), ("transpose_v", transpose_v)):
-        if not isinstance(flag, bool):
-            raise TypeError(f"{name} must be True or False, got {flag!r}")
-    if transpose_v and dtype != torch.float8_e4m3fn:
-        raise ValueError("transpose_v is for fp8 (the int8 kernel keeps v in fp16/bf16, read as stored)")
-    smooth_k = dtype == torch.int8 if smooth_k is None else smooth_k
     fp8, d = dtype == torch.float8_e4m3fn, q.shape[-1]
     D = min(D for D in EIGHT_BIT_HEAD_DIMS if D >= d)
     signs = rotation_signs(D, seed, q.device) if rotate else None
@@ -794,21 +843,20 @@ def flash_attention_8bit(q, k=None, v=None, causal=False, softmax_scale=None, wi
     rotate, smooth_k, transpose_v); or q a Quantized from quantize() (k, v None), to quantize once and reuse.
     causal, softmax_scale, window_size: as flash_attention's (the default scale from the unpadded d;
     softmax_scale >= 0). dtype: torch.float8_e4m3fn (Hopper) or torch.int8 (sm_80+). Errors: docs/accuracy.md."""
+    # The arguments first, so that bad ones raise before quantize launches anything. (A negative scale would reverse
+    # the row maxima, which the fp8 kernel takes before scaling.)
+    _check_scores(q, window_size, None, 0.0, None)
+    _check_causal_and_scale(causal, softmax_scale)
+    if softmax_scale is not None and softmax_scale < 0:
+        raise ValueError(f"flash_attention_8bit takes softmax_scale >= 0, got {softmax_scale!r}")
     if isinstance(q, Quantized):
         if k is not None or v is not None:
             raise ValueError("pass either q, k, v or one Quantized (from quantize()), not both")
         x = q
     else:
-        for name, t in (("q", q), ("k", k), ("v", v)):
-            if isinstance(t, torch.Tensor) and t.requires_grad and torch.is_grad_enabled():
-                raise ValueError(f"flash_attention_8bit is forward only (inference) and has no gradient, but {name} "
-                                 "requires grad: call it under torch.no_grad() or pass detached tensors")
+        _check_no_grad("flash_attention_8bit", q, k, v)
         x = quantize(q, k, v, dtype, rotate, smooth_k, transpose_v)
-    _check_scores(x.q, window_size, None, 0.0, x.q.shape[0])
-    _check_causal_and_scale(causal, softmax_scale)
     scale = 1.0 / math.sqrt(x.d) if softmax_scale is None else float(softmax_scale)
-    if scale < 0:  # (the fp8 kernel takes each row's maximum before scaling: a negative scale would reverse it)
-        raise ValueError(f"flash_attention_8bit takes softmax_scale >= 0, got {softmax_scale!r}")
     (left, right), _, _ = _options(causal, window_size, None, 0.0)
     if x.q.numel() == 0 or x.k.shape[2] == 0:  # (no keys: O = 0, as flash_attention)
         return x.q.new_zeros(x.q.shape[:-1] + (x.d,), dtype=x.out_dtype)

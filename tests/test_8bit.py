@@ -7,6 +7,7 @@ layout (V^T's key order, a fragment, a scale) gives errors of order 1. quantize(
 reference.quantize_blocks value for value, V's transposed layout byte for byte.
 """
 import math
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -97,6 +98,18 @@ def test_validation_before_any_launch():
         main.flash_attention_8bit(x, h, h)
     with pytest.raises(ValueError, match="softmax_scale >= 0, got -0.125"):  # (fp8 scales each row's maximum)
         main.flash_attention_8bit(x, softmax_scale=-0.125)
+    h = h.detach()  # the arguments are checked before quantize launches anything
+    for kwargs, error, words in [(dict(causal=1), TypeError, "causal must be True or False, got 1"),
+                                 (dict(softmax_scale=-1.0), ValueError, "softmax_scale >= 0, got -1.0"),
+                                 (dict(window_size=(-2, 0)), ValueError, "each >= -1 (-1: no bound), got (-2, 0)")]:
+        with pytest.raises(error, match=re.escape(words)):
+            main.flash_attention_8bit(h, h, h, **kwargs)
+    for kwargs, error, words in [(dict(dtype=torch.float16), ValueError, "dtype must be torch.float8_e4m3fn or"),
+                                 (dict(smooth_k=1), TypeError, "smooth_k must be True or False, got 1"),
+                                 (dict(seed=1.5), ValueError, "seed must be an integer in [0, 2^32), got 1.5"),
+                                 (dict(dtype=torch.int8, transpose_v=True), ValueError, "got dtype torch.int8")]:
+        with pytest.raises(error, match=re.escape(words)):
+            main.quantize(h, h, h, **kwargs)
 
 
 # ---------------------------------------------------------------------------------------------------------

@@ -10,6 +10,7 @@ import torch.nn as nn
 import main
 import reference
 from main import TOLERANCE, flash_attention, list_kernels, outputs, rel_err
+from test_validation import LAYOUTS, layout_problem  # tests/ is on sys.path under pytest
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 CASES = [(k["name"], dtype) for k in list_kernels() if k["available"] for dtype in k["dtypes"]]
@@ -140,3 +141,19 @@ def test_torch_compile_with_groups_and_unequal_lengths():
     for name, x, r in zip(["O", "dQ", "dK", "dV"], compiled, exact):
         assert x.shape == r.shape, f"{name}: shape {tuple(x.shape)}, expected {tuple(r.shape)}"
         assert rel_err(x, r) < TOLERANCE["float16"], f"{name}: relative error {rel_err(x, r):.1e}"
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_torch_compile_where_the_kernels_read_a_padded_copied_or_grouped_tensor(layout):
+    """The layouts of test_validation.LAYOUTS, compiled with fullgraph=True: Inductor asserts that every output has
+    the strides the fake implementation gave it (the real kernels this time), and the values match float64."""
+    torch.manual_seed(8)
+    torch._dynamo.reset()
+    d, H_q, H_kv, q_transposed, kv_transposed, deterministic, d_strided = LAYOUTS[layout]
+    q, k, v = layout_problem(d, H_q, H_kv, q_transposed, kv_transposed, d_strided, device="cuda")
+    do = torch.randn(q.shape, device="cuda", dtype=q.dtype)
+    attention = lambda q, k, v: flash_attention(q, k, v, causal=True, deterministic=deterministic)  # noqa: E731
+    compiled = outputs(torch.compile(attention, fullgraph=True), q, k, v, do)
+    exact = outputs(lambda q, k, v: reference.attention(q, k, v, causal=True), *(t.double() for t in (q, k, v, do)))
+    for name, x, r in zip(["O", "dQ", "dK", "dV"], compiled, exact):
+        assert rel_err(x, r) < TOLERANCE["bfloat16"], f"{name}: relative error {rel_err(x, r):.1e}"

@@ -1,4 +1,5 @@
 """Bad input raises a clear TypeError/ValueError in Python, before anything reaches the GPU."""
+import contextlib
 import inspect
 import pathlib
 import re
@@ -39,6 +40,7 @@ def test_bad_inputs(make, error, words):
     (dict(causal=1), TypeError, "causal must be True or False"),
     (dict(softmax_scale="0.1"), ValueError, "softmax_scale must be None or a finite number"),
     (dict(softmax_scale=float("nan")), ValueError, "finite number"),
+    (dict(softmax_scale=1e300), ValueError, "(the kernels multiply it by log2(e) in float32), got 1e+300"),
     (dict(kernel="nope"), ValueError, "unknown kernel 'nope'; valid: 'auto', 'fp32'"),
     (dict(kernel=3), TypeError, "kernel must be a string"),
     (dict(return_lse=1), TypeError, "return_lse must be True or False"),
@@ -46,8 +48,9 @@ def test_bad_inputs(make, error, words):
     (dict(window_size=(-2, 0)), ValueError, "each >= -1 (-1: no bound), got (-2, 0)"),
     (dict(window_size=(1.5, 0)), ValueError, "window_size must be a pair of integers"),
     (dict(window_size=(True, 0)), ValueError, "window_size must be a pair of integers"),
-    (dict(softcap=-1.0), ValueError, "softcap must be a finite number >= 0 (0: off), got -1.0"),
-    (dict(softcap=float("inf")), ValueError, "softcap must be a finite number"),
+    (dict(softcap=-1.0), ValueError, "softcap must be a number from 0 (off) to 2.36e+38 (float32's range), got -1.0"),
+    (dict(softcap=float("inf")), ValueError, "softcap must be a number from 0 (off)"),
+    (dict(softcap=1e39), ValueError, "got 1e+39"),
     (dict(alibi_slopes=[0.5, 0.25]), TypeError, "alibi_slopes must be None or a torch.Tensor, got list"),
     (dict(alibi_slopes=torch.ones(3)), ValueError, "alibi_slopes must be a float32 tensor of shape (H_q,) = (2,) "
                                                    "or (B, H_q) = (1, 2) on cpu, got torch.float32 (3,)"),
@@ -189,6 +192,39 @@ def test_kvcache_checks_its_inputs_too():
         main.flash_attention_with_kvcache(q, k_cache, v_cache, 3)
 
 
+@cuda
+@pytest.mark.parametrize("lengths, words", [(2 ** 32 + 3, "got cache_seqlens = [4294967299]"),  # (int32: 3)
+                                            (-1, "must lie in [N_new, N_max] = [0, 16]")])
+def test_kvcache_lengths_are_checked_before_any_cast(lengths, words):
+    q, k_cache, v_cache = (torch.randn(1, 2, n, 64, device="cuda") for n in (1, 16, 16))
+    for cache_seqlens in (lengths, torch.tensor([lengths], device="cuda")):
+        with pytest.raises(ValueError) as info:
+            main.flash_attention_with_kvcache(q, k_cache, v_cache, cache_seqlens)
+        assert words in str(info.value)
+
+
+def test_kvcache_is_forward_only():
+    q, k_cache, v_cache = torch.randn(1, 2, 1, 64, requires_grad=True), torch.randn(1, 2, 16, 64), torch.randn(1, 2, 16, 64)
+    with pytest.raises(ValueError, match="forward only .* q requires grad"):
+        main.flash_attention_with_kvcache(q, k_cache, v_cache, 3)
+
+
+def test_pick_kernel_and_tile_dim_say_what_they_take():
+    for args, error, words in [(("float16", 64, 90, "foo"), ValueError, "unknown kernel 'foo'; valid: 'auto'"),
+                               ((torch.float16, 64, 90), TypeError, "dtype must be a name such as 'float16'"),
+                               (("float16", 0, 90), ValueError, "no kernel takes dtype float16 with head dim 0")]:
+        with pytest.raises(error, match=re.escape(words)):
+            main.pick_kernel(*args)
+    with pytest.raises(ValueError, match="kernel 'ampere' takes head dims 1 to 256, got 300"):
+        main.tile_dim("ampere", 300)
+
+
+def test_dropout_mask_needs_the_seed():
+    q = torch.randn(1, 2, 4, 64)
+    with pytest.raises(TypeError, match="dropout_mask needs the call's dropout_seed"):
+        main.dropout_mask(q, q, 0.1, None)
+
+
 def packed_qkv(total=10, H=2, d=64, device="cpu"):
     return [torch.randn(total, H, d, device=device) for _ in range(3)]
 
@@ -205,7 +241,12 @@ def cu(*starts, device="cpu", dtype=torch.int32):
     (lambda: (*packed_qkv(), cu(0, 10), [0, 10], 10, 10), ValueError, "cu_seqlens_k must be an int32 tensor"),
     (lambda: (*packed_qkv(), cu(10), cu(10), 10, 10), ValueError, "with B >= 1"),
     (lambda: (*packed_qkv(), cu(0, 4, 10), cu(0, 10), 10, 10), ValueError, "the same B sequences"),
-    (lambda: (*packed_qkv(), cu(0, 10), cu(0, 10), 10.0, 10), ValueError, "max_seqlen_q must be an integer >= 0"),
+    (lambda: (*packed_qkv(), cu(0, 10), cu(0, 10), 10.0, 10), ValueError, "max_seqlen_q must be an integer in [0, 2^31)"),
+    (lambda: (*packed_qkv(), cu(0, 10), cu(0, 10), 10, 2 ** 32 + 1), ValueError,  # (an int32 would read 1)
+     "max_seqlen_k must be an integer in [0, 2^31), got 4294967297"),
+    (lambda: (packed_qkv()[0], *packed_qkv(d=32)[1:], cu(0, 10), cu(0, 10), 10, 10), ValueError,
+     "q (total_q, H_q, d) and k, v (total_k, H_kv, d) must have the same d"),
+    (lambda: ("q", *packed_qkv()[1:], cu(0, 10), cu(0, 10), 10, 10), TypeError, "q must be a torch.Tensor, got str"),
     (lambda: (*packed_qkv(), cu(0, 10), cu(0, 10), 10, 10), ValueError, "must be a CUDA tensor"),
 ])
 def test_varlen_bad_inputs(make, error, words):
@@ -238,3 +279,61 @@ def test_varlen_fake_implementations():
     dq, dk, dv = torch.ops.flash.varlen_backward(torch.empty_like(o), None, q, k, v, o, L, starts, starts, 20, 30,
                                                  -1, 0, 0.125, 0.0, None, "auto")
     assert dq.shape == q.shape and dk.shape == dv.shape == k.shape
+
+
+# Layouts where the kernels read a padded, copied or grouped tensor. O must still come back in q's layout, dK and dV
+# in k's and v's, and dQ contiguous, as the ops' fake implementations say: torch.compile plans with those strides.
+LAYOUTS = {  # name: (d, H_q, H_kv, q as a transposed view, k and v as transposed views, deterministic, q's d strided)
+    "grouped heads, k and v transposed": (64, 4, 2, False, True, False, False),
+    "d = 80 (padded to 96), transposed": (80, 4, 4, True, True, False, False),
+    "deterministic, q transposed": (64, 4, 4, True, False, True, False),
+    "q's last dimension strided (copied)": (64, 4, 4, False, False, False, True),
+}
+
+
+def layout_problem(d, H_q, H_kv, q_transposed, kv_transposed, d_strided, device="cpu"):
+    def make(H, N, transposed, strided=False):
+        if strided:
+            return torch.randn(2, H, d, N, dtype=torch.bfloat16, device=device).transpose(-1, -2)
+        x = torch.randn(2, N, H, d, dtype=torch.bfloat16, device=device)
+        return x.transpose(1, 2) if transposed else x.transpose(1, 2).contiguous()
+    return make(H_q, 77, q_transposed, d_strided), make(H_kv, 50, kv_transposed), make(H_kv, 50, kv_transposed)
+
+
+class AllocatesAsFlashCu:
+    """A stand-in for a kernel's extension that allocates its outputs as flash.cu's forward and backward do:
+    O = empty_like(Q); dQ fp32 (B, H_q, N_q, d), or empty_like(Q) when deterministic; dK, dV like K, V, or
+    (B, H_q, N_k, d) with grouped heads."""
+    def __init__(self, deterministic):
+        self.deterministic = deterministic
+
+    def forward(self, Q, K, V, *options):
+        return torch.empty_like(Q), torch.empty(Q.shape[:3])
+
+    def backward(self, Q, K, V, O, L, dO, *options):
+        dQ = torch.empty_like(Q) if self.deterministic else torch.empty(Q.shape)
+        def per_query_head(X):
+            return torch.empty(*Q.shape[:2], *X.shape[2:], dtype=X.dtype) if Q.shape[1] != K.shape[1] else \
+                torch.empty_like(X)
+        return dQ, per_query_head(K), per_query_head(V)
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_outputs_come_back_in_the_layouts_the_fakes_promise(layout, monkeypatch):
+    """main.py's side of it, on the CPU with the stand-in above (tests/test_ops.py checks the kernels on a GPU)."""
+    d, H_q, H_kv, q_transposed, kv_transposed, deterministic, d_strided = LAYOUTS[layout]
+    monkeypatch.setattr(main, "load", lambda *build: AllocatesAsFlashCu(deterministic))
+    monkeypatch.setattr(main, "_arch", lambda device=None: 90)
+    monkeypatch.setattr(main, "_builds_sm90a", lambda: True)
+    monkeypatch.setattr(main, "_stream", lambda t: 0)
+    monkeypatch.setattr(main, "_on_device", lambda t: contextlib.nullcontext())
+    q, k, v = layout_problem(d, H_q, H_kv, q_transposed, kv_transposed, d_strided)
+    o, L = main._run_forward(q, k, v, (-1, 0), 0.125, 0.0, None, "hopper")
+    dq, dk, dv = main._run_backward(o, None, q, k, v, o, L, -1, 0, 0.125, 0.0, None, "hopper",
+                                    deterministic=deterministic)
+    q_, k_, v_, o_, L_ = (t.to("meta") for t in (q, k, v, o, L))  # (the same strides, on the meta device)
+    fake_o, _ = torch.ops.flash.forward(q_, k_, v_, -1, 0, 0.125, 0.0, None, "hopper")
+    fakes = torch.ops.flash.backward(o_, None, q_, k_, v_, o_, L_, -1, 0, 0.125, 0.0, None, "hopper")
+    for name, real, fake in zip(("O", "dQ", "dK", "dV"), (o, dq, dk, dv), (fake_o, *fakes)):
+        assert real.stride() == fake.stride() and real.dtype == fake.dtype, \
+            f"{name}: strides {real.stride()} {real.dtype}, where the fake implementation says {fake.stride()} {fake.dtype}"
