@@ -852,6 +852,9 @@ def flash_attention_8bit(q, k=None, v=None, causal=False, softmax_scale=None, wi
     if isinstance(q, Quantized):
         if k is not None or v is not None:
             raise ValueError("pass either q, k, v or one Quantized (from quantize()), not both")
+        if rotate or smooth_k is not None or transpose_v is not None:
+            raise ValueError(f"a Quantized was made by quantize(), which took rotate, smooth_k and transpose_v; got "
+                             f"rotate={rotate!r}, smooth_k={smooth_k!r}, transpose_v={transpose_v!r} with one")
         x = q
     else:
         _check_no_grad("flash_attention_8bit", q, k, v)

@@ -98,6 +98,8 @@ def test_validation_before_any_launch():
         main.flash_attention_8bit(x, h, h)
     with pytest.raises(ValueError, match="softmax_scale >= 0, got -0.125"):  # (fp8 scales each row's maximum)
         main.flash_attention_8bit(x, softmax_scale=-0.125)
+    with pytest.raises(ValueError, match="a Quantized was made by quantize"):  # (it would be ignored)
+        main.flash_attention_8bit(x, rotate=True)
     h = h.detach()  # the arguments are checked before quantize launches anything
     for kwargs, error, words in [(dict(causal=1), TypeError, "causal must be True or False, got 1"),
                                  (dict(softmax_scale=-1.0), ValueError, "softmax_scale >= 0, got -1.0"),
