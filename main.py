@@ -380,15 +380,15 @@ def _check_inputs(q, k, v, causal, softmax_scale, kernel, return_lse, window=(-1
         raise TypeError(f"return_lse must be True or False, got {return_lse!r}")
     _check_scores(q, window, alibi_slopes, softcap, q_shape[0] if B is None else B)
     _check_kernel_name(kernel)
-    for name, t in (("q", q), ("k", k), ("v", v)):
-        if not t.is_cuda:
-            raise ValueError(f"{name} must be a CUDA tensor, got a tensor on {t.device}")
-    if not (q.get_device() == k.get_device() == v.get_device()):
-        raise ValueError(f"q, k, v must be on one device, got {q.device}, {k.device}, {v.device}")
     if not 1 <= q_shape[3] <= MAX_HEAD_DIM:
         raise ValueError(f"the head dim d must be between 1 and {MAX_HEAD_DIM}, got {q_shape[3]}")
     if q_shape[0] > MAX_GRID or q_shape[1] > MAX_GRID:
         raise ValueError(f"B and H must each be at most {MAX_GRID}, got B = {q_shape[0]}, H = {q_shape[1]}")
+    for name, t in (("q", q), ("k", k), ("v", v)):  # (last: every other mistake is reported on CPU tensors too)
+        if not t.is_cuda:
+            raise ValueError(f"{name} must be a CUDA tensor, got a tensor on {t.device}")
+    if not (q.get_device() == k.get_device() == v.get_device()):
+        raise ValueError(f"q, k, v must be on one device, got {q.device}, {k.device}, {v.device}")
 
 
 FLOAT32_SCALE_MAX = torch.finfo(torch.float32).max / math.log2(math.e)  # a scale or softcap float32 still holds

@@ -138,6 +138,13 @@ def test_a_named_kernel_runs_on_any_gpu_that_can_execute_it():
         pick_kernel("bfloat16", 64, 75, "ampere")
 
 
+def test_shape_errors_come_before_the_device_check():
+    with pytest.raises(ValueError, match="the head dim d must be between 1 and 256, got 300"):
+        flash_attention(*qkv((1, 2, 8, 300)))
+    with pytest.raises(ValueError, match="B and H must each be at most 65535, got B = 65536"):
+        flash_attention(*qkv((65536, 1, 1, 16)))
+
+
 @cuda
 def test_bad_inputs_on_gpu():
     q, k, v = qkv(device="cuda")
