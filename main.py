@@ -86,31 +86,17 @@ def list_kernels():
             for name, k in KERNELS.items()]
 
 
-def _check_no_grad(function, q, k, v):
-    for name, t in (("q", q), ("k", k), ("v", v)):
-        if isinstance(t, torch.Tensor) and t.requires_grad and torch.is_grad_enabled():
-            raise ValueError(f"{function} is forward only (inference) and has no gradient, but {name} requires grad: "
-                             "call it under torch.no_grad() or pass detached tensors")
-
-
-def _check_kernel_name(kernel):
-    if not isinstance(kernel, str):
-        raise TypeError(f"kernel must be a string, got {type(kernel).__name__}")
-    if kernel != "auto" and kernel not in KERNELS:
-        raise ValueError(f"unknown kernel {kernel!r}; valid: 'auto', " + ", ".join(repr(n) for n in KERNELS))
-
-
 @functools.cache
 def pick_kernel(dtype, d, arch, kernel="auto", sm90a=True):
     """The kernel that runs dtype ("float16", ...) with head dim d on sm_<arch>: for "auto" the most specialised
     that fits (float16: volta on sm_70, turing on sm_75, ampere from sm_80 on, hopper on sm_90), else the one
     named if it fits. A kernel fits any d up to its widest tile (tile_dim). sm90a: flash.cu is built for sm_90a
     (the hopper kernel needs it)."""
+    _check_kernel_name(kernel)
     if not isinstance(dtype, str):
         raise TypeError(f"dtype must be a name such as 'float16', got {dtype!r}")
     fits = [n for n, kn in KERNELS.items()
             if dtype in kn["dtypes"] and 1 <= d <= max(kn["head_dims"]) and _runs_on(kn, arch, sm90a)]
-    _check_kernel_name(kernel)
     if kernel == "auto":
         if not fits:
             raise ValueError(f"no kernel takes dtype {dtype} with head dim {d} on sm_{arch}; kernels: "
@@ -327,10 +313,14 @@ def _run_backward(do, dL, q, k, v, o, L, window_left, window_right, scale, softc
             q_, k_, v_, o_, L, do_, dL, window_left, window_right, scale, softcap, alibi_slopes,
             *(packed or (None, None, 0, 0)), dropout_p, dropout_key if dropout_p > 0 else None, _stream(q))
     dq, dk, dv = (x[..., :d] for x in (dq, dk, dv))
-    if dk.shape[1] != k.shape[1]:  # grouped-query attention: one dK, dV per query head, summed over each group
+    grouped = dk.shape[1] != k.shape[1]
+    if grouped:  # grouped-query attention: one dK, dV per query head, summed over each group
         dk, dv = (x.unflatten(1, (k.shape[1], -1)).sum(2) for x in (dk, dv))
-    # (the kernels made dQ, dK, dV for the padded, copied or ungrouped q, k, v they read)
-    return dq.to(dtype).contiguous(), _in_layout(dk.to(dtype), k), _in_layout(dv.to(dtype), v)
+    dq, dk, dv = dq.to(dtype), dk.to(dtype), dv.to(dtype)
+    # (the kernels made dK, dV like the k, v they read: where that was a padded or copied tensor, or per query head,
+    # the layout the fake implementation promises is made here)
+    dk, dv = (x if t_ is t and not grouped else _in_layout(x, t) for x, t_, t in ((dk, k_, k), (dv, v_, v)))
+    return dq.contiguous(), dk, dv
 
 
 def _setup_context(ctx, inputs, output):
@@ -349,6 +339,20 @@ def _autograd_backward(ctx, do, dL):
 
 
 _forward.register_autograd(_autograd_backward, setup_context=_setup_context)
+
+
+def _check_kernel_name(kernel):
+    if not isinstance(kernel, str):
+        raise TypeError(f"kernel must be a string, got {type(kernel).__name__}")
+    if kernel != "auto" and kernel not in KERNELS:
+        raise ValueError(f"unknown kernel {kernel!r}; valid: 'auto', " + ", ".join(repr(n) for n in KERNELS))
+
+
+def _check_no_grad(function, q, k, v):
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if isinstance(t, torch.Tensor) and t.requires_grad and torch.is_grad_enabled():
+            raise ValueError(f"{function} is forward only (inference) and has no gradient, but {name} requires grad: "
+                             "call it under torch.no_grad() or pass detached tensors")
 
 
 def _check_inputs(q, k, v, causal, softmax_scale, kernel, return_lse, window=(-1, -1), alibi_slopes=None, softcap=0.0,
@@ -403,12 +407,16 @@ def _check_causal_and_scale(causal, softmax_scale):
                          f"(the kernels multiply it by log2(e) in float32), got {softmax_scale!r}")
 
 
-def _check_scores(q, window, alibi_slopes, softcap, B):
-    """The masks and score modifications (flash.cu's Scores), checked as FlashAttention takes them."""
+def _check_window(window):
     if (not isinstance(window, (tuple, list)) or len(window) != 2
             or any(isinstance(w, bool) or not isinstance(w, int) or w < -1 for w in window)):
         raise ValueError(f"window_size must be a pair of integers (left, right), each >= -1 (-1: no bound), "
                          f"got {window!r}")
+
+
+def _check_scores(q, window, alibi_slopes, softcap, B):
+    """The masks and score modifications (flash.cu's Scores), checked as FlashAttention takes them."""
+    _check_window(window)
     if isinstance(softcap, bool) or not isinstance(softcap, (int, float)) or not 0 <= softcap <= FLOAT32_SCALE_MAX:
         raise ValueError(f"softcap must be a number from 0 (off) to {FLOAT32_SCALE_MAX:.3g} (float32's range), got "
                          f"{softcap!r}")
@@ -845,7 +853,7 @@ def flash_attention_8bit(q, k=None, v=None, causal=False, softmax_scale=None, wi
     softmax_scale >= 0). dtype: torch.float8_e4m3fn (Hopper) or torch.int8 (sm_80+). Errors: docs/accuracy.md."""
     # The arguments first, so that bad ones raise before quantize launches anything. (A negative scale would reverse
     # the row maxima, which the fp8 kernel takes before scaling.)
-    _check_scores(q, window_size, None, 0.0, None)
+    _check_window(window_size)
     _check_causal_and_scale(causal, softmax_scale)
     if softmax_scale is not None and softmax_scale < 0:
         raise ValueError(f"flash_attention_8bit takes softmax_scale >= 0, got {softmax_scale!r}")
