@@ -7,7 +7,8 @@
 
 The tools: memcheck (out-of-bounds and misaligned accesses, hardware exceptions), racecheck (shared-memory
 hazards: a missing __syncthreads), synccheck (barriers not every thread reaches) and initcheck (reads of
-global memory nothing wrote). Needs a CUDA GPU and compute-sanitizer, which comes with the CUDA toolkit.
+global memory nothing wrote; not of the kernels that write through TMA, whose stores it does not see:
+WRITE_BY_TMA). Needs a CUDA GPU and compute-sanitizer, which comes with the CUDA toolkit.
 
 The script builds flash.cu first, without a sanitizer, then runs itself once per tool with --case: every
 available kernel, dtype and tile width (head dim), forward and autograd backward: at d = 64, B = 1, H = 2,
@@ -42,6 +43,12 @@ SHAPES = [(1, 1100, 8, 2), (37, 130, 4, 2), (130, 37, 4, 1)]  # (N_q, N_k, H_q, 
 ONLY_OURS = ["--kernel-name", "kns=flash_"]
 OPTIONS = {"memcheck": ONLY_OURS + ["--padding", "64"],  # a gap after each allocation, so overruns hit no tensor
            "racecheck": ONLY_OURS, "synccheck": ONLY_OURS, "initcheck": []}
+# initcheck does not count TMA stores (cp.async.bulk.tensor) as writes: every read of what these kernels write
+# that way (O; dK, dV) is reported, by the kernel or PyTorch operation that reads it. On an H200 (compute-sanitizer
+# 2025.3.1), a torch.clone of O (1, 2, 130, 128) made by `hopper` gave 2080 reports, one per 32-byte sector, where
+# the same clone after `ampere` gave none; the tests compare every element of these outputs with float64. So
+# initcheck leaves them out (their split-KV decoding, which stores with st.global, included).
+WRITE_BY_TMA = ("hopper", "hopper_fp8")
 
 
 def problems(lengths, d):
@@ -200,8 +207,13 @@ if __name__ == "__main__":
     failed = []
     for tool in tools:
         start = time.time()
+        watched = [k for k in kernels if tool != "initcheck" or k not in WRITE_BY_TMA]
+        if len(watched) < len(kernels):
+            print(f"({tool} leaves out {', '.join(sorted(set(kernels) - set(watched)))}: see WRITE_BY_TMA)")
+        if not watched:
+            continue
         output, cases, errors = sanitize(sanitizer, tool, "130" if args.quick or tool == "racecheck" else LENGTHS,
-                                         kernels)
+                                         watched)
         print(f"{tool:<10} {'?' if errors is None else errors:>6} {time.time() - start:>7.0f}  "
               f"{cases or 'the run failed'}", flush=True)
         if errors != 0 or cases is None:
