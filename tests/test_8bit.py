@@ -271,3 +271,20 @@ def test_torch_compile(dtype):
         else:  # K's mean is a reduction the compiler may order differently, which can move an int8 rounding
             exact = reference.attention(q.double(), k.double(), v.double(), causal=True)
             assert rmse(f(q, k, v), exact) < 1.5 * rmse(o, exact) + 1e-3
+
+
+@cuda
+@pytest.mark.parametrize("d", main.EIGHT_BIT_HEAD_DIMS)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_every_output_element_is_written(dtype, d):
+    """O made in memory full of NaN equals O made in fresh memory (as test_numerics.py's test of the same name;
+    the fp8 kernel stores O through TMA, which compute-sanitizer's initcheck does not see)."""
+    from test_numerics import landed_in, nan_filled_cache
+    torch.manual_seed(4)
+    q = torch.randn(1, 8, 130, d, device="cuda", dtype=torch.bfloat16)
+    k, v = (torch.randn(1, 2, 200, d, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    fresh = main.flash_attention_8bit(q, k, v, causal=True, dtype=dtype)
+    nan = nan_filled_cache(q.nbytes, k.nbytes, q.nbytes // 2, k.nbytes // 2)  # (O; the 8-bit copies)
+    o = main.flash_attention_8bit(q, k, v, causal=True, dtype=dtype)
+    assert landed_in(o, nan), "O was not placed in NaN memory (the test's premise)"
+    assert torch.equal(o, fresh), f"O differs from fresh memory's by {(o - fresh).abs().max()}"

@@ -1,5 +1,6 @@
 """What every kernel guarantees beyond matching float64 on ordinary inputs: run-to-run determinism, huge and
-equal scores, the first causal row, and where a NaN or an Inf in the inputs ends up.
+equal scores, the first causal row, where a NaN or an Inf in the inputs ends up, and that every output element
+is written (made in memory full of NaN, it equals what fresh memory gives).
 
 Errors follow test_kernels.py's rule: at most 3x the error of PyTorch's scaled_dot_product_attention (SDPA)
 in the same dtype on the same inputs, plus a small floor. Skipped, visibly, without a CUDA GPU.
@@ -104,7 +105,8 @@ def test_nan_and_inf_reach_the_rows_that_see_them(kernel, dtype, d, where, bad, 
     """A NaN or +Inf at [ROW, COL] of q, k or v in head 0 makes these rows of O non-finite, in our kernels
     and in SDPA: q -> row ROW; k or v -> every row that sees key ROW (all rows; causal: rows >= ROW), except
     that +Inf in k gives row i the score -Inf when q[i, COL] < 0: a weight of 0 and a finite row, as in
-    float64 (SDPA's fused kernels make those rows non-finite too: ours is checked against float64 there). Every other row is finite and correct, with one exception: a masked weight is an exact 0 that
+    float64 (SDPA's fused kernels make those rows non-finite too: ours is checked against float64 there). Every
+    other row is finite and correct, with one exception: a masked weight is an exact 0 that
     still multiplies v[ROW] in the product P V, and 0 * NaN = NaN, so with v causal, rows < ROW may be NaN
     (all of them in the dense formula; in a tiled kernel, those whose tiles hold key ROW). Other heads are
     untouched."""
@@ -157,3 +159,61 @@ def test_nan_and_inf_in_q_reach_the_gradients(kernel, dtype, d, bad, causal):
     good = ~nonfinite_rows(grads["ours"][0])
     err, err_sdpa = (rel_err(grads[name][0][good], dq64[good]) for name in ("ours", "SDPA"))
     assert err <= 3 * err_sdpa + FLOOR[q.dtype], f"dQ, finite rows: relative error {err:.2e} vs SDPA's {err_sdpa:.2e}"
+
+
+def nan_filled_cache(*nbytes, copies=8):
+    """Fills memory with 0xFF bytes (NaN in fp32, fp16, bf16 and e4m3) and gives it back to PyTorch's caching
+    allocator, which hands it to the next allocations of these sizes: `copies` blocks of each size in nbytes.
+    Returns the byte ranges [start, end) that now hold NaN, adjacent ones merged."""
+    torch.cuda.empty_cache()
+    filled = [torch.full((-(-n // 512) * 512,), -1, device="cuda", dtype=torch.int8) for n in nbytes
+              for _ in range(copies)]  # (the allocator rounds every block up to 512 bytes)
+    torch.cuda.synchronize()
+    ranges = []
+    for start, end in sorted((t.data_ptr(), t.data_ptr() + t.numel()) for t in filled):
+        if ranges and ranges[-1][1] == start:
+            ranges[-1][1] = end
+        else:
+            ranges.append([start, end])
+    return ranges  # (`filled` is freed here: the memory goes back to the cache, NaN inside)
+
+
+def landed_in(t, ranges):
+    """Whether all of t's bytes lie in one of the ranges."""
+    start = t.data_ptr()
+    return any(lo <= start and start + t.numel() * t.element_size() <= hi for lo, hi in ranges)
+
+
+@pytest.mark.parametrize("shape", ["N = 130", "decoding"])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("kernel, dtype, d", [case for case in CASES if case[2] in (64, 128, 256)])
+def test_every_output_element_is_written(kernel, dtype, d, causal, shape):
+    """O, L, dQ, dK and dV made in memory full of NaN equal those made in fresh memory: no kernel leaves an
+    element unwritten (a ragged last tile, a split of the keys) or adds into a buffer it did not zero.
+    compute-sanitizer's initcheck cannot tell this for the kernels that store through TMA (tests/sanitize.py)."""
+    q, k, v, do = problem(d, dtype)  # N = 130: a ragged last tile
+    if shape == "decoding":  # N_q = 1 against 1100 keys, 4 query heads a key/value head: the split-KV kernels
+        q, do = q[:, :, :1].repeat(1, 4, 1, 1), do[:, :, :1].repeat(1, 4, 1, 1)
+        k, v = (torch.cat([x] * 9, dim=2)[:, :, :1100].contiguous() for x in (k, v))
+
+    def run(fill):
+        leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+        sizes = [q.nbytes, k.nbytes, 2 * q.nbytes, 2 * k.nbytes, q.numel() // d * 4]  # (fp32 buffers, L)
+        nan = nan_filled_cache(*sizes) if fill else []
+        o, lse = flash_attention(*leaves, causal=causal, kernel=kernel, return_lse=True)
+        placed = {"O": landed_in(o, nan), "L": landed_in(lse, nan)}
+        nan = nan_filled_cache(*sizes) if fill else []
+        grads = torch.autograd.grad(o, leaves, do)
+        placed.update({name: landed_in(g, nan) for name, g in zip(("dQ", "dK", "dV"), grads)})
+        return dict(zip(("O", "L", "dQ", "dK", "dV"), (o, lse, *grads))), placed
+
+    fresh, _ = run(fill=False)
+    filled, placed = run(fill=True)
+    assert all(placed.values()), f"not placed in NaN memory (the test's premise): {placed}"
+    for name, x in filled.items():
+        assert torch.isfinite(x).all(), f"{name} holds NaN where it was made in NaN memory"
+        if name == "dQ":  # (summed with atomics)
+            err = rel_err(x, fresh[name].double())
+            assert err <= DQ_RUN_TO_RUN[dtype], f"dQ differs from fresh memory's by {err:.1e}"
+        else:
+            assert torch.equal(x, fresh[name]), f"{name} differs from fresh memory's by {(x - fresh[name]).abs().max()}"
