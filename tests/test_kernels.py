@@ -126,11 +126,14 @@ def test_scale_and_non_contiguous_inputs(kernel, dtype, d):
 @pytest.mark.parametrize("kernel, dtype, d", CASES)
 def test_tiles_for_99_kb_of_shared_memory(kernel, dtype, d, monkeypatch):
     """sm_86 and sm_89 give a block 99 KB of shared memory, and the launchers pick smaller tiles there
-    (fp32, ampere): FLASH_SMEM_LIMIT makes this GPU's launchers do the same."""
+    (fp32, ampere): FLASH_SMEM_LIMIT makes this GPU's launchers do the same. Decoding too (N_q <= 16): fewer
+    stages, and where two do not fit (ampere, d >= 192) the forward kernel."""
     monkeypatch.setenv("FLASH_SMEM_LIMIT", str(99 * 1024))
     torch.manual_seed(2)
-    for N, causal in ((200, True), (1000, False)):
-        q, k, v, do = (torch.randn(2, 3, N, d, device="cuda", dtype=DTYPES[dtype]) for _ in range(4))
+    for N_q, N_k, causal in ((200, 200, True), (1000, 1000, False), (1, 1100, False), (16, 1100, True)):
+        H_q, H_kv = (3, 3) if N_q == N_k else (8, 2)
+        q, do = (torch.randn(2, H_q, N_q, d, device="cuda", dtype=DTYPES[dtype]) for _ in range(2))
+        k, v = (torch.randn(2, H_kv, N_k, d, device="cuda", dtype=DTYPES[dtype]) for _ in range(2))
         check(kernel, q, k, v, do, causal)
 
 
