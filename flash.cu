@@ -3652,8 +3652,8 @@ CUtensorMap tensor_map(const at::Tensor& X, int rows,
 #endif
 
 #if defined(BUILD_fp32)
-// Block sizes: with B_r = B_c = 64, four forward blocks (two backward) share an SM of an H100 (three and
-// one on an A100); for d > 64 the key block (and the backward's query block) is halved so that three (two)
+// Block sizes: with B_r = B_c = 64, the tiles of four forward blocks (two backward) fit in an H100 SM (three
+// and one on an A100; registers let three forward blocks run); for d > 64 the key block (and the backward's query block) is halved so that three (two)
 // still fit on an H100, and past d = 128 the query blocks are halved again, since each thread holds
 // B_r/8 * d/16 values of O_i (and of dQ_i). On a GPU whose blocks get less shared memory than that (see
 // above), B_r is halved until the tiles fit.
