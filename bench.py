@@ -108,8 +108,8 @@ DECODE_SDPA = ["sdpa", "sdpa-flash", "sdpa-cudnn"]
 DECODE_TITLE = "## Decoding (N_q = 1, split-KV)"  # the markdown page's section that --decode owns
 DECODE_COLUMNS = [("dtype", "dtype", 5, "{}"), ("batch", "B", 3, "{}"), ("heads", "H_q", 3, "{}"),
                   ("kv_heads", "H_kv", 4, "{}"), ("seqlen_k", "N_k", 6, "{}"), ("system", "system", 10, "{}"),
-                  ("status", "status", 11, "{}"), ("ms", "ms", 9, "{:.3f}"), ("gbps", "GB/s", 6, "{:.0f}"),
-                  ("pct_hbm", "%HBM", 5, "{:.1f}"), ("vs_sdpa", "vs SDPA", 7, "{:.2f}x"),
+                  ("status", "status", 11, "{}"), ("ms", "ms", 9, "{:.4f}"), ("gbps", "GB/s", 6, "{:.0f}"),
+                  ("pct_hbm", "%HBM", 5, "{:.1f}"), ("vs_sdpa", "vs SDPA", 7, "{:.3f}x"),
                   ("host_us", "host µs", 7, "{:.1f}"), ("max_error", "max err", 7, "{:.0e}")]
 DECODE_ROW_FIELDS = [field for field, *_ in DECODE_COLUMNS] + ["note"]
 # Inside a model: nanoGPT's GPT-2 small (width 768, 12 heads of d = 64, GPT-2's vocabulary padded to 50304) with 6
@@ -191,7 +191,8 @@ def parse_args(argv):
     add("--modes", type=comma_list(str, MODE_FLOP_FACTOR), default="fwd,bwd,fwd_bwd", help="default: %(default)s")
     add("--layout", type=comma_list(str, LAYOUTS), metavar="LIST", default="contiguous", help="contiguous (q, k, v "
         "made as (B, H, N, d)), transposed (made as (B, N, H, d), then .transpose(1, 2)); default: %(default)s")
-    add("--seqlens", type=comma_list(int), default="512,1024,2048,4096,8192,16384", help="sequence lengths N")
+    add("--seqlens", type=comma_list(int), default="512,1024,2048,4096,8192,16384",
+        help="sequence lengths N (default: %(default)s)")
     add("--batch", type=int, help="fixed batch size (default: 16384 // N)")
     add("--heads", type=int, help="fixed number of heads (default: 2048 // d)")
     add("--window", type=int, metavar="W", help="a sliding window: each query sees W keys before it and, unless "
@@ -208,13 +209,13 @@ def parse_args(argv):
         "instead of running (no GPU)")
     add("--decode", action="store_true", help=f"the decoding sweep instead: N_q = 1, H_q = {DECODE_HEADS}, "
         f"d = {DECODE_HEAD_DIM}, forward; systems: {','.join(decode_systems)} (ours where they run the dtype); "
-        "the flags above from --causal to --heads do not apply")
+        "the flags above from --causal to --deterministic do not apply")
     add("--decode-batch", type=comma_list(int), metavar="LIST", default="1,8,32", help="batch sizes B (default: "
         "%(default)s)")
     add("--decode-seqlens", type=comma_list(int), metavar="LIST", default="4096,32768,131072",
         help="cache lengths N_k (default: %(default)s)")
     add("--model", action="store_true", help="a compiled nanoGPT-style training step instead (MODEL), one per "
-        "system: ours that take bf16 and SDPA's backends; the flags above from --dtype to --deterministic do not apply")
+        "system: ours that take bf16 and SDPA's backends; the flags above from --dtype to --rep do not apply")
     add("--decode-kv-heads", type=comma_list(int), metavar="LIST", default="32,8", help=f"K, V heads H_kv, "
         f"divisors of H_q = {DECODE_HEADS} (default: %(default)s)")
     add("--decode-rounds", type=int, default=3, metavar="R", help="timings of each decoding row, taking turns over "
@@ -224,6 +225,13 @@ def parse_args(argv):
         args = parser.parse_args(QUICK + argv)  # flags given come after the preset's, so they win
     args.causal = {"off": [False], "on": [True], "both": [False, True]}[args.causal]
     args.dtype = args.dtype or (["fp16", "bf16"] if args.decode else ["fp16", "bf16", "fp32"])
+    given = [flag for flag, on in (("--window", args.window is not None), ("--dropout", args.dropout),
+                                   ("--deterministic", args.deterministic)) if on]
+    for sweep in ("--decode", "--model"):
+        if getattr(args, sweep[2:]) and given:
+            parser.error(f"{sweep} times its own fixed workload: {', '.join(given)} does not apply to it")
+    if args.decode and args.model:
+        parser.error("--decode or --model, not both")
     if args.decode:
         if any(DECODE_HEADS % heads for heads in args.decode_kv_heads):
             parser.error(f"--decode-kv-heads: each must divide H_q = {DECODE_HEADS}")
@@ -625,7 +633,7 @@ def bench_model_system(system, tokens):
         return row | {"status": "unsupported" if backend else "ERROR", "note": note}
     finally:
         torch._dynamo.reset()  # the next system compiles its own graphs
-    ms = sorted(start.elapsed_time(end) for start, end in events)[MODEL_STEPS[1] // 2]
+    ms = statistics.median_high(start.elapsed_time(end) for start, end in events)  # (one of the steps: of 20, the 11th)
     return row | {"status": "ok", "ms": ms, "memory_gib": torch.cuda.max_memory_allocated() / 2**30,
                   "first_loss": losses[0].item(), "last_loss": losses[-1].item()}
 
@@ -822,7 +830,7 @@ def write_model_section(path, metadata, rows, results, render_command):
              f"Measured on {metadata['gpu']} on {metadata['date'][:10]} (torch {metadata['torch']}, CUDA "
              f"{metadata['cuda']}); `bench.py --model` writes this section from "
              f"[{link(results, path)}]({link(results, path)}): rerun it rather than edit it.",
-             f"ms/step is the median of {MODEL_STEPS[1]} steps after {MODEL_STEPS[0]} of warm-up (compilation); "
+             f"ms/step is the median (the higher middle one) of {MODEL_STEPS[1]} steps after {MODEL_STEPS[0]} of warm-up (compilation); "
              "vs SDPA is the time of `sdpa` (its default backend choice) over the row's; above 1 is faster; GiB is "
              "the peak memory allocated.",
              f"Every system starts from the same weights and trains on the same batch: loss 1 and loss "

@@ -277,7 +277,9 @@ def test_decode_flags_and_their_defaults():
                                   ["--decode", "--decode-rounds", "0"],  # no timing
                                   ["--decode", "--kernels", "sdpa-math"],  # not a decoding system
                                   ["--decode", "--kernels", "volta"],  # no split-KV kernel
-                                  ["--decode-batch", "one"], ["--decode-seqlens", ","]])
+                                  ["--decode-batch", "one"], ["--decode-seqlens", ","],
+                                  ["--decode", "--dropout", "0.1"], ["--decode", "--window", "64"],  # a fixed workload
+                                  ["--model", "--deterministic"], ["--decode", "--model"]])
 def test_bad_decode_arguments_are_refused(argv, capsys):
     with pytest.raises(SystemExit) as exit_info:
         bench.parse_args(argv)
@@ -415,7 +417,7 @@ def test_plot_from_a_decode_file_replaces_only_the_decoding_section(tmp_path, ca
     assert "![decoding](benchmarks/decode.png)" in section
     assert "[benchmarks/decode.json](benchmarks/decode.json)" in section
     assert re.search(r"\| +8 \| +32 \| +8 \| +32768 \| +manual \| +OOM \|", section)
-    assert re.search(r"\| +1 \| +32 \| +32 \| +4096 \| +ampere \| +ok \| .* \| +1\.50x \|", section)
+    assert re.search(r"\| +1 \| +32 \| +32 \| +4096 \| +ampere \| +ok \| .* \| +1\.500x \|", section)
     out = capsys.readouterr().out
     assert "!! MISMATCH: sdpa-flash, decoding, bf16, B=1, H_kv=8, N_k=4096: max error 7e-01 > 4e-01" in out
 
