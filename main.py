@@ -561,6 +561,9 @@ def flash_attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, k=None, v=N
     if B == 0:
         o = q.new_empty(q.shape)
         return (o, q.new_empty(q.shape[:-1], dtype=torch.float32)) if return_lse else o
+    scale = 1.0 / math.sqrt(d) if softmax_scale is None else float(softmax_scale)
+    window, softcap, alibi_slopes = _options(causal, window_size, alibi_slopes, softcap)
+    kernel = pick_kernel(DTYPES[q.dtype], d, _arch(q.device), kernel, _builds_sm90a())  # (all checks before the append)
     seqlens = torch.tensor(given, dtype=torch.int32, device=q.device)
     lengths = [n + N_new for n in given]
     if N_new:  # append: k_cache[b, :, seqlens[b] + n] = k[b, :, n]
@@ -568,9 +571,6 @@ def flash_attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, k=None, v=N
         batch = torch.arange(B, device=q.device)[:, None]
         k_cache[batch, :, positions] = k.transpose(1, 2)  # indexed as (B, N_new, H_kv, d)
         v_cache[batch, :, positions] = v.transpose(1, 2)
-    scale = 1.0 / math.sqrt(d) if softmax_scale is None else float(softmax_scale)
-    window, softcap, alibi_slopes = _options(causal, window_size, alibi_slopes, softcap)
-    kernel = pick_kernel(DTYPES[q.dtype], d, _arch(q.device), kernel, _builds_sm90a())
     if KERNELS[kernel]["split_kv"] and q.shape[2] <= SPLIT_KV_MAX_QUERIES:
         o, L = _run_forward(q, k_cache, v_cache, window, scale, softcap, alibi_slopes, kernel, seqlens + N_new)
     else:

@@ -210,6 +210,16 @@ def test_kvcache_lengths_are_checked_before_any_cast(lengths, words):
         assert words in str(info.value)
 
 
+@cuda
+def test_kvcache_checks_the_kernel_before_it_appends():
+    """A kernel that does not take these inputs raises before k and v go into the caches."""
+    q, k_cache, v_cache, k, v = (torch.randn(1, 2, n, 64, device="cuda", dtype=torch.float16) for n in (1, 16, 16, 1, 1))
+    before = k_cache.clone(), v_cache.clone()
+    with pytest.raises(ValueError, match="kernel 'fp32' takes dtypes"):
+        main.flash_attention_with_kvcache(q, k_cache, v_cache, 3, k, v, kernel="fp32")
+    assert torch.equal(k_cache, before[0]) and torch.equal(v_cache, before[1])
+
+
 def test_kvcache_is_forward_only():
     q, k_cache, v_cache = torch.randn(1, 2, 1, 64, requires_grad=True), torch.randn(1, 2, 16, 64), torch.randn(1, 2, 16, 64)
     with pytest.raises(ValueError, match="forward only .* q requires grad"):
