@@ -40,7 +40,8 @@ where "ours" is the relative Frobenius error ||x - x64|| / ||x64|| of the kernel
 of `torch.nn.functional.scaled_dot_product_attention` (the backend PyTorch picks by default) in the same
 dtype on the same inputs, and the ratio is ours / SDPA: 1 means as accurate as PyTorch, below 1 more
 accurate. The tests (`tests/test_kernels.py`, `tests/test_fuzz.py`) fail a kernel whose ratio exceeds 3
-(plus a small floor for outputs that are exactly zero).
+(plus a small floor for outputs that are exactly zero), against SDPA with its cuDNN backend off (its flash or
+memory-efficient one: `tests/conftest.py` says why).
 
 Every kernel accumulates in fp32: the products S_ij = Q_i K_j^T, P_ij V_j, dP_ij, the row max m_i and sum
 l_i, and the gradients. fp16 and bf16 appear only as inputs, as the tensor-core operands P_ij and dS_ij,
@@ -64,9 +65,9 @@ along the sequence (N = 1000).
 - Large and equal scores: scores up to 1e4 (fp32) or 1e3 (fp16, bf16), whose exponentials overflow, stay
   finite and accurate, because every exponent is taken after subtracting the running row max. Equal scores
   (q = 0, or all keys equal) give the mean of the values a row sees.
-- No row is ever fully masked: q, k and v have one length and the only mask is causal, so row i always
-  sees key 0; its largest score adds exp(0) = 1 to l_i, so l_i >= 1 and O_i = (sum of P_ij V_j) / l_i never
-  divides by zero. Row 0 sees key 0 alone and equals v_0 exactly.
+- In this table no row is fully masked: q, k and v have one length and the only mask is causal, so row i
+  always sees key 0 (with N_q > N_k, or a window, a row can see no key: it gets O = 0 and L = -inf); its
+  largest score adds exp(0) = 1 to l_i, so l_i >= 1 and O_i = (sum of P_ij V_j) / l_i never divides by zero. Row 0 sees key 0 alone and equals v_0 exactly.
 - NaN and Inf reach the rows that see them, as in SDPA: a NaN or +Inf in row r of q makes row r of O
   non-finite and no other; in row j of k or v, every row that sees key j (all rows; causal, rows i >= j).
   One exception each way: an Inf in k gives a row whose query has the opposite sign in that column a score
