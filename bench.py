@@ -1,25 +1,37 @@
 """Benchmark our FlashAttention kernels against manual attention and PyTorch SDPA; write docs/benchmarks.md.
 
-    python bench.py --quick                  # well under a minute: N=1024,4096, d=64, fp16+fp32
+    python bench.py --quick                  # N=1024,4096, d=64, fp16+fp32: well under a minute once built
     python bench.py                          # full sweep: N=512..16384, d=64,128, 3 dtypes, 3 modes, causal or not
     python bench.py --kernels manual,fp32,sdpa-flash --seqlens 2048,65536 --d 64 --causal on --modes fwd
     python bench.py --batch 4 --heads 16 --layout contiguous,transposed   # fixed B and H; also nanoGPT's layout
-    python bench.py --out docs/benchmarks --markdown docs/benchmarks.md   # measure, rewrite the docs page
+    python bench.py --deterministic --modes bwd,fwd_bwd --kernels ampere,hopper   # dQ without atomics
     python bench.py --plot-from docs/benchmarks/results.json --markdown docs/benchmarks.md   # no GPU needed
     python bench.py --decode --out docs/benchmarks --markdown docs/benchmarks.md   # N_q = 1 against a KV cache
     python bench.py --plot-from docs/benchmarks/decode.json --markdown docs/benchmarks.md  # its section, no GPU
+    python bench.py --model --kernels sdpa,sdpa-flash,sdpa-cudnn,hopper --out docs/benchmarks \
+        --markdown docs/benchmarks.md          # a compiled nanoGPT-style training step, attention by each system
+
+The pages in docs/ were made as their metadata records: a run per page, or runs of one session in processes of
+their own (one per dtype and head dim: a crash or an OOM then loses one process), joined with --merge. The main
+page, for instance:
+    python bench.py --dtype fp16 --d 64 --seqlens 1024,4096,16384 --modes fwd,fwd_bwd --out /tmp/bench/fp16_64
+    ...                                      # the same for fp16, bf16, fp32 x d = 64, 128, and bf16 at 32, 96, 256
+    python bench.py --merge /tmp/bench/*/results.json --out docs/benchmarks --markdown docs/benchmarks.md
+and the others:
     python bench.py --window 1024 --seqlens 4096,16384 --d 128 --dtype bf16 --causal on --modes fwd,fwd_bwd \
+        --kernels manual,ampere,hopper,sdpa,sdpa-flash,sdpa-cudnn,sdpa-efficient \
         --out docs/benchmarks/window --markdown docs/benchmarks-window.md   # a sliding window against full rows
-    python bench.py --dropout 0.1 --seqlens 2048,8192 --modes fwd,fwd_bwd --kernels hopper,sdpa-flash \
-        --out docs/benchmarks/dropout --markdown docs/benchmarks-dropout.md  # attention dropout, in the kernels
-    python bench.py --deterministic --modes bwd,fwd_bwd --kernels ampere,hopper   # dQ without atomics
+    python bench.py --dropout 0.1 --seqlens 2048,4096,16384 --d 64,128 --dtype fp16 --modes fwd,fwd_bwd \
+        --kernels hopper,sdpa,sdpa-flash --out docs/benchmarks/dropout \
+        --markdown docs/benchmarks-dropout.md  # attention dropout, in the kernels
     python bench.py --kernels hopper,ampere,sdpa-flash,sdpa-cudnn,fp8,fp8-vt,fp8-kernel,fp8-vt-kernel,int8,int8-kernel \
-        --modes fwd --dtype bf16 --d 64,128,256 --seqlens 1024,4096,16384 --out docs/benchmarks/8bit \
+        --modes fwd --dtype bf16 --d 64 --seqlens 1024,4096,16384 --out /tmp/8bit/d64   # and --d 128, --d 256, then
+    python bench.py --merge /tmp/8bit/*/results.json --out docs/benchmarks/8bit \
         --markdown docs/benchmarks-8bit.md     # 8-bit attention against the 16-bit kernels
     python bench.py --kernels hopper,sdpa,sdpa-flash,sdpa-cudnn --dtype fp16,bf16 --d 64,128 --seqlens 1024,4096,16384 \
-        --modes fwd,fwd_bwd --out docs/benchmarks/cudnn --markdown docs/benchmarks-cudnn.md  # the hopper kernels, cuDNN
-    python bench.py --model --kernels hopper,sdpa,sdpa-flash,sdpa-cudnn --out docs/benchmarks \
-        --markdown docs/benchmarks.md          # a compiled nanoGPT-style training step, attention by each system
+        --modes fwd,fwd_bwd --out /tmp/cudnn/a   # and --d 256 --out /tmp/cudnn/b, then
+    python bench.py --merge /tmp/cudnn/*/results.json --out docs/benchmarks/cudnn \
+        --markdown docs/benchmarks-cudnn.md    # the hopper kernels against cuDNN
 
 --window W gives every query the W keys before it (and, unless causal, the W after it): flash_attention's
 window_size=(W, W), or (W, 0) when causal; SDPA and manual attention get the same mask as an N x N attn_mask, which is
@@ -99,7 +111,8 @@ COLUMNS = [("dtype", "dtype", 5, "{}"), ("d", "d", 3, "{}"), ("causal", "causal"
            ("tflops", "TFLOP/s", 7, "{:.1f}"), ("pct_peak", "%peak", 5, "{:.1f}"), ("speedup", "speedup", 7, "{:.2f}x"),
            ("vs_sdpa", "vs SDPA", 7, "{:.2f}x"), ("memory_mib", "MiB", 7, "{:.0f}"),
            ("memory_saving", "mem saving", 10, "{:.1f}x"), ("max_error", "max err", 7, "{:.0e}")]
-ROW_FIELDS = [field for field, *_ in COLUMNS] + ["note"]  # and "window", "dropout", "deterministic" if given
+ROW_FIELDS = [field for field, *_ in COLUMNS] + ["note"]  # and EXTRA_FIELDS, those given
+EXTRA_FIELDS = ["window", "dropout", "deterministic"]
 GROUP_FIELDS = ("mode", "dtype", "d", "causal")  # one figure and one markdown table each
 # Decoding: one new token per sequence (N_q = 1) against a K, V cache of N_k keys in H_kv heads; shapes of an 8B
 # model (H_q = 32, d = 128; H_kv = 8 is its grouped-query attention). SDPA is the unit; manual expands K and V.
@@ -207,6 +220,9 @@ def parse_args(argv):
         "--decode or --model, only its own section")
     add("--plot-from", type=Path, metavar="FILE", help="redraw a saved results.json, decode.json or model.json "
         "instead of running (no GPU)")
+    add("--merge", type=Path, nargs="+", metavar="FILE", help="join the results.json of several runs on one GPU "
+        "into --out's, then draw them as --plot-from (no GPU): a later file's row replaces an earlier one of the "
+        "same problem and system, and keeps its ratios, so rerun whole groups")
     add("--decode", action="store_true", help=f"the decoding sweep instead: N_q = 1, H_q = {DECODE_HEADS}, "
         f"d = {DECODE_HEAD_DIM}, forward; systems: {','.join(decode_systems)} (ours where they run the dtype); "
         "the flags above from --causal to --deterministic do not apply")
@@ -230,8 +246,8 @@ def parse_args(argv):
     for sweep in ("--decode", "--model"):
         if getattr(args, sweep[2:]) and given:
             parser.error(f"{sweep} times its own fixed workload: {', '.join(given)} does not apply to it")
-    if args.decode and args.model:
-        parser.error("--decode or --model, not both")
+    if sum(map(bool, (args.decode, args.model, args.merge, args.plot_from))) > 1:
+        parser.error("one of --decode, --model, --merge and --plot-from at a time")
     if args.decode:
         if any(DECODE_HEADS % heads for heads in args.decode_kv_heads):
             parser.error(f"--decode-kv-heads: each must divide H_q = {DECODE_HEADS}")
@@ -890,10 +906,37 @@ def problem_title(row):
     return f"{group_title(row)}, N={row['seqlen']}, {row['layout']}"
 
 
+def merge_results(paths, command):
+    """The rows of several results.json files (of the main sweep, on one GPU), a later file's row in place of an
+    earlier one of the same problem and system, and the first file's metadata with every file's command."""
+    saved = []
+    for path in paths:
+        if not path.is_file():
+            raise SystemExit(f"bench.py: no results file {path}")
+        saved.append(json.loads(path.read_text()))
+        if saved[-1]["metadata"].get("sweep") or saved[-1]["metadata"]["gpu"] != saved[0]["metadata"]["gpu"]:
+            raise SystemExit(f"bench.py: --merge joins results.json files of the main sweep from one GPU; {path} is "
+                             f"{saved[-1]['metadata'].get('sweep') or saved[-1]['metadata']['gpu']}")
+    rows = {}
+    for results in saved:
+        for row in results["rows"]:
+            rows[tuple(row.get(field) for field in ROW_FIELDS[:ROW_FIELDS.index("system") + 1] + EXTRA_FIELDS)] = row
+    metadata = dict(saved[0]["metadata"], command="\n".join(r["metadata"]["command"] for r in saved) +
+                    f"\n# (joined by {command})")
+    return metadata, list(rows.values())
+
+
 def cli(argv=None):
     argv = sys.argv[1:] if argv is None else argv
     args, command = parse_args(argv), shlex.join(["python", "bench.py", *argv])
-    if args.plot_from:
+    if args.merge:
+        metadata, rows = merge_results(args.merge, command)
+        sweep, out = None, args.out or Path("bench_results")
+        out.mkdir(parents=True, exist_ok=True)
+        results = out / "results.json"
+        results.write_text(json.dumps({"metadata": metadata, "rows": rows}, indent=1) + "\n")
+        print(*table_lines(rows, COLUMNS), sep="\n")
+    elif args.plot_from:
         if not args.plot_from.is_file():
             raise SystemExit(f"bench.py: no results file {args.plot_from}")
         saved, out, results = json.loads(args.plot_from.read_text()), args.out or args.plot_from.parent, args.plot_from

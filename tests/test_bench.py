@@ -226,6 +226,26 @@ def test_plot_from_writes_figures_and_page_and_reports_the_mismatch(tmp_path, ca
     assert "!! MISMATCH: sdpa-flash, fwd_bwd, fp16, d=64, non-causal, N=4096, contiguous" in capsys.readouterr().out
 
 
+def test_merge_joins_runs_a_later_row_replacing_an_earlier_one(tmp_path, capsys):
+    metadata, rows = sample_results()
+    first = save_results(tmp_path / "a" / "results.json", metadata, rows)
+    rerun = [dict(row, ms=0.5, note="rerun") for row in rows if row["system"] == "ampere" and row["seqlen"] == 1024]
+    more = [dict(row, d=128) for row in rows[:4]]  # a head dim the first run did not have
+    second = save_results(tmp_path / "b" / "results.json", dict(metadata, command="python bench.py --d 128"),
+                          rerun + more)
+    out = tmp_path / "joined"
+    assert bench.cli(["--merge", str(first), str(second), "--out", str(out)]) == 2  # (sample_results' MISMATCH)
+    joined = json.loads((out / "results.json").read_text())
+    assert len(joined["rows"]) == len(rows) + len(more)
+    assert [row for row in joined["rows"] if row.get("note") == "rerun"] == rerun
+    assert joined["metadata"]["command"].startswith(metadata["command"] + "\npython bench.py --d 128\n# (joined by")
+    decode = save_results(tmp_path / "decode.json", dict(metadata, sweep="decode"), [])
+    other_gpu = save_results(tmp_path / "c" / "results.json", dict(metadata, gpu="NVIDIA A100-SXM4-80GB"), rows)
+    for bad in (decode, other_gpu, tmp_path / "missing.json"):
+        with pytest.raises(SystemExit, match="--merge joins|no results file"):
+            bench.cli(["--merge", str(first), str(bad), "--out", str(out)])
+
+
 def test_plot_from_a_missing_file_says_so(tmp_path):
     with pytest.raises(SystemExit, match="no results file"):
         bench.cli(["--plot-from", str(tmp_path / "missing.json")])
@@ -279,7 +299,8 @@ def test_decode_flags_and_their_defaults():
                                   ["--decode", "--kernels", "volta"],  # no split-KV kernel
                                   ["--decode-batch", "one"], ["--decode-seqlens", ","],
                                   ["--decode", "--dropout", "0.1"], ["--decode", "--window", "64"],  # a fixed workload
-                                  ["--model", "--deterministic"], ["--decode", "--model"]])
+                                  ["--model", "--deterministic"], ["--decode", "--model"],
+                                  ["--merge", "a.json", "--plot-from", "b.json"]])
 def test_bad_decode_arguments_are_refused(argv, capsys):
     with pytest.raises(SystemExit) as exit_info:
         bench.parse_args(argv)
