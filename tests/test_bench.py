@@ -35,7 +35,7 @@ def test_causal_halves_and_backward_multiplies(mode, factor):
     ("NVIDIA H100 80GB HBM3", "fp16", 989.4),
     ("NVIDIA H100 80GB HBM3", "fp32", 66.9),
     ("NVIDIA H100 PCIe", "bf16", 756.5),
-    ("NVIDIA H200", "bf16", 989.4),
+    ("NVIDIA H200", "bf16", 989.4), ("NVIDIA H200 NVL", "fp16", 835.5),
     ("NVIDIA A100-SXM4-80GB", "fp32", 19.5),
     ("NVIDIA A10", "fp16", 125.0),
     ("NVIDIA A10G", "fp16", None),  # not an A10, and not in the table
