@@ -5,6 +5,10 @@
     python exercises/grade.py 01 02 -v      # several; extra pytest options after the names
     python exercises/grade.py --solutions   # grade the instructor's solutions instead (exercises/solutions/)
     python exercises/grade.py 02 --tb=long  # pytest's full traceback instead of the grader's message alone
+    python exercises/grade.py 03 -- -k online   # after "--", everything goes to pytest as it is
+
+Options of one word ("-x", "--tb=long") can follow the names; an option with a separate value ("-k NAME") goes
+after "--", or NAME would be read as an exercise.
 
 Exit status 0 when every exercise graded passed, 1 when one failed or could not be graded (an exercise
 whose checks need something this machine lacks is reported NOT GRADED, never PASS).
@@ -111,10 +115,11 @@ def main(argv):
     if "-h" in argv or "--help" in argv:
         print(__doc__.strip())
         return 0
+    argv, passed_on = (argv[:argv.index("--")], argv[argv.index("--") + 1:]) if "--" in argv else (argv, [])
     solutions = "--solutions" in argv
     argv = [a for a in argv if a != "--solutions"]
     names = [a for a in argv if not a.startswith("-")]
-    extra = [a for a in argv if a.startswith("-")]
+    extra = [a for a in argv if a.startswith("-")] + passed_on
     exercises = select(names)
     print(f"grading {'the solutions in exercises/solutions/' if solutions else 'your starter files'}: "
           + ", ".join(n for n, _ in exercises), flush=True)
