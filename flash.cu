@@ -3790,7 +3790,7 @@ void fwd_hopper(const at::Tensor& Q, const at::Tensor& K, const at::Tensor& V, a
   // stages of 128 keys in shared memory; 3 stages (192 KB) fit at d = 160 and 192, 2 (192 KB) at d = 256.
   // d <= 64: three consumers (B_r = 192, 160 registers each), as FlashAttention-3: each K_j, V_j tile then serves
   // 192 query rows instead of 128, and the SM has 12 consumer warps instead of 8 to issue from while others wait.
-  // 1.05-1.17x the two-consumer kernel at N >= 4096 on an H100. On short masked rows (short_masked_rows) one
+  // 1.05-1.16x the two-consumer kernel on an H100 (notebook 08, section 5). On short masked rows (short_masked_rows) one
   // consumer (B_r = 64), and two blocks share an SM: while one block starts (Q_i, the first stages) or ends (O_i),
   // the other's products run, which a block of three or two consumers leaves to no one. On an H200 (fp16 and bf16,
   // B*N = 16384, H*d = 2048, causal) 1.07-1.09x the two-consumer kernel at d = 64 and 1.10-1.12x at d = 32 (N = 512

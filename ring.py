@@ -209,9 +209,16 @@ def ring_attention(q, k, v, causal=False, softmax_scale=None, group=None, kernel
     if k.shape != v.shape or k.shape[1] == 0 or q.shape[1] % k.shape[1] or q.shape[::3] != k.shape[::3]:
         raise ValueError(f"need q (B, H_q, N, d), k and v (B, H_kv, N_k, d) with H_kv dividing H_q, got "
                          f"{tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
-    if causal and (q.shape[2] != k.shape[2] or (balanced and q.shape[2] % 2)):
-        raise ValueError(f"causal: q and k must hold the same tokens (N = N_k){', two chunks (N even)' * balanced}, "
-                         f"got N = {q.shape[2]}, N_k = {k.shape[2]}")
+    floats = (torch.float16, torch.bfloat16, torch.float32) + (torch.float64,) * (q.device.type == "cpu")
+    if not (q.dtype == k.dtype == v.dtype and q.dtype in floats) or not q.device == k.device == v.device:
+        raise ValueError(f"q, k, v must share one dtype ({', '.join(str(t)[6:] for t in floats)} on {q.device.type}) "
+                         f"and one device, got {q.dtype}, {k.dtype}, {v.dtype} on {q.device}, {k.device}, {v.device}")
+    main._check_kernel_name(kernel)
+    if causal and q.shape[2] != k.shape[2]:
+        raise ValueError(f"causal: q and k must hold the same tokens, N = N_k, got N = {q.shape[2]}, N_k = {k.shape[2]}")
+    if causal and balanced and q.shape[2] % 2:
+        raise ValueError(f"causal with balanced=True: each rank's N tokens are two chunks, so N must be even, got "
+                         f"N = {q.shape[2]} (or pass balanced=False)")
     scale = 1.0 / math.sqrt(q.shape[-1]) if softmax_scale is None else float(softmax_scale)
     O, L = _RingAttention.apply(q, k.contiguous(), v.contiguous(), causal, scale, group, kernel, balanced)
     return (O, L) if return_lse else O

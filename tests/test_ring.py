@@ -8,6 +8,7 @@ GPU (skipped, visibly, without one): the kernels at W = 1 against float64, with 
 3x the error of PyTorch's SDPA in the same dtype); with two GPUs, a 2-process NCCL ring the same way.
 """
 import math
+import re
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -100,6 +101,19 @@ def test_one_rank_without_torch_distributed():
     q, k, v = (torch.randn(1, 2, 6, 4, dtype=torch.float64, requires_grad=True) for _ in range(3))
     O = ring.ring_attention(q, k, v, causal=True)
     assert [tuple(t.shape) for t in O.grad_fn.saved_tensors] == [(1, 2, 6, 4)] * 4 + [(1, 2, 6)]
+
+
+def test_bad_inputs_are_refused_with_what_was_given():
+    x = torch.randn(1, 2, 6, 4)
+    for (q, k, v, options), words in [
+            ((x.long(), x.long(), x.long(), {}), "must share one dtype"),  # not floating point
+            ((x.double(), x, x, {}), "got torch.float64, torch.float32, torch.float32"),
+            ((x, x, x, {"kernel": "bogus"}), "unknown kernel 'bogus'"),
+            ((x, x[:, :, :4], x[:, :, :4], {"causal": True}), "N = N_k, got N = 6, N_k = 4"),
+            ((x[:, :, :5], x[:, :, :5], x[:, :, :5], {"causal": True}), "N must be even, got N = 5")]:
+        with pytest.raises(ValueError, match=re.escape(words)):
+            ring.ring_attention(q, k, v, **options)
+    ring.ring_attention(x[:, :, :5], x[:, :, :5], x[:, :, :5], causal=True, balanced=False)  # one chunk a rank
 
 
 def test_shard_unshard_and_the_work_per_rank():
