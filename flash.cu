@@ -2283,7 +2283,7 @@ __device__ void forward_schedule(int wg, int n_blocks, S_tiles& S, float (&O_i)[
   if (wg == NWG) next_turn();  // consumer 1 goes first
   landed(0);
   my_turn();
-  wgmma_fence();
+  wgmma_fence();  // (the first wgmma: S's registers were last written by ordinary instructions, if at all)
   issue_S(0);
   next_turn();
   wgmma_wait<0>(S);
@@ -2303,14 +2303,14 @@ __device__ void forward_schedule(int wg, int n_blocks, S_tiles& S, float (&O_i)[
     softmax(n + 1);
     if (softmax_first) landed(n + 1), release_K(n + 1);  // (complete already: see above)
     wgmma_wait<0>(O_i);
-    __syncwarp();
+    __syncwarp();  // every lane's wgmma has read the stage before lane 0 says so
     if (threadIdx.x % 32 == 0) mbar_arrive(empty(n % STAGES));  // this warp has finished reading block n's stage
     rescale();
     to_P();
   }
   ready_PV(n_blocks - 1);
   my_turn();
-  wgmma_fence();
+  wgmma_fence();  // P and O_i were last written by ordinary instructions (to_P, rescale)
   issue_PV(n_blocks - 1);
   if (wg < NWG) next_turn();  // (the last consumer's turn token would never be taken)
   wgmma_wait<0>(O_i);
@@ -2406,7 +2406,7 @@ __device__ void fwd_hopper_producer(const FwdTiles<d, NWG, B_c, STAGES>& tiles, 
 // (fwd_hopper_producer): one of its threads issues every TMA load. Warpgroup c = 1..NWG is a consumer owning rows
 // 64(c-1) .. 64c-1 of Q_i, S_ij and O_i; per block j it computes, with the m16n8 fragments of the Ampere kernel in
 // each warp:
-//   S_ij (64, B_c)  = Q_i (64, d) K_j^T (d, B_c)    d/16 wgmma m64n128k16, A and B from shared memory
+//   S_ij (64, B_c)  = Q_i (64, d) K_j^T (d, B_c)    d/16 wgmma m64n{B_c}k16, A and B from shared memory
 //   O_i  (64, d)   += P_ij (64, B_c) V_j (B_c, d)   B_c/16 wgmma m64n{d}k16 (in pieces), A (P_ij) from registers
 // Three kinds of waiting keep the tensor cores busy:
 // - K_j, V_j stream through STAGES shared-memory stages: full[s] completes when stage s has landed,
@@ -2473,8 +2473,8 @@ flash_fwd_hopper(const __grid_constant__ CUtensorMap Q_map, const __grid_constan
       wgmma_commit();
     };
     // l.9 for block j, on the CUDA cores: m_i, l_i and alpha updated, S_ij replaced by P_ij in place (fp32). Plain
-    // scores with a positive scale are scaled inside the exponent (f: see update_row_max), 64 FMUL fewer per thread
-    // and block; a softcap, ALiBi or a negative scale takes Scores' steps first (f = 1).
+    // scores with a positive scale are scaled inside the exponent (f: see update_row_max), B_c/2 FMUL fewer per
+    // thread and block (64 at B_c = 128); a softcap, ALiBi or a negative scale takes Scores' steps first (f = 1).
     const float f = sc.plain() && sc.scale_log2 > 0.f ? sc.scale_log2 : 1.f;
     // lazy rescaling (update_row_max) at d = 128: 1.00-1.05x on an H100; at d = 64 0.96-1.00x (notebook 08); past
     // d = 128, where B_c = 64 and O_i takes d/2 registers against S_ij's 32, 1.02-1.07x on an H200 (d = 160, 192, 256)
@@ -2656,19 +2656,19 @@ __device__ void bwd_hopper_producer(const BwdTiles<T, d, B_c, STAGES>& tiles, co
         asm volatile("cp.async.bulk.commit_group;" ::: "memory");
         asm volatile("cp.async.bulk.wait_group.read 0;" ::: "memory");  // the tile has been read
       }
-      __syncwarp();
+      __syncwarp();  // no lane arrives before lane 0's reductions have read the tile
       if (i + 1 < i_end) asm volatile("bar.arrive 3, 288;" ::: "memory");  // the tile is free
     }
     if (threadIdx.x % 32 == 0) asm volatile("cp.async.bulk.wait_group 0;" ::: "memory");  // and added
   }
 }
 
-// dQ_i += dS_ij K_j (l.15) for query block i, by consumer warpgroup wg of the hopper backward: its columns
-// (wg-1) d/2 .., DQ at a time (two passes at d = 256: at most 64 registers beside dK_j and dV_j). Slice kk: keys
-// 16kk.., rows of dS_ij^T (M-major) and of K_j (N-major). Up to d = 192 into the fp32 tile, which the producer's
-// warp 2 adds into dQ; past it by atomics, one per pair of entries. The lane holds rows row, row + 8 of dQ_i's
-// tile (row = 16 warp + g) and columns 2t, 2t + 1 of each 8. (Passed in: read again from threadIdx here, they cost
-// two S2R in every block of the loop, and 2-3% at d = 64.)
+// dQ_i += dS_ij K_j (l.15) for query block i, by consumer warpgroup wg of the hopper backward: its columns (wg-1) d/2
+// .., DQ at a time (two passes at d = 256: at most 96 columns, 48 registers, beside dK_j and dV_j). Slice kk: keys
+// 16kk.., rows of dS_ij^T (M-major) and of K_j (N-major). Up to d = 192 into the fp32 tile, which the producer's warp 2
+// adds into dQ; past it by atomics, one per pair of entries. The lane holds rows row, row + 8 of dQ_i's tile (row = 16
+// warp + g) and columns 2t, 2t + 1 of each 8. (Passed in: read again from threadIdx here, they cost two S2R in every
+// block of the loop, and 2-3% at d = 64.)
 template <typename T, int d, int B_c, int STAGES>
 __device__ void bwd_hopper_dQ(const BwdTiles<T, d, B_c, STAGES>& tiles, int i, int wg, int row, int g, int t,
                               float dS_scale, float* dQ, const Mask& mask) {
@@ -2682,7 +2682,7 @@ __device__ void bwd_hopper_dQ(const BwdTiles<T, d, B_c, STAGES>& tiles, int i, i
   for (int pass = 0; pass < d / 2 / DQ; pass++) {
     const int c0 = (wg - 1) * d / 2 + pass * DQ;
     float dQ_i[DQ / 8][4];
-    wgmma_fence();
+    wgmma_fence();  // dQ_i's registers are new to this pass, and ordinary instructions used the last pass's
     for (int kk = 0; kk < B_c / 16; kk++)
       wgmma_ss_cols<T, DQ, DQ & -DQ, 1>(dQ_i, smem_desc(tiles.dS(i) + 16 * kk * 128, 0), tiles.K() + 16 * kk * 128, c0,
                                        B_c * 128, kk > 0);
@@ -2692,7 +2692,7 @@ __device__ void bwd_hopper_dQ(const BwdTiles<T, d, B_c, STAGES>& tiles, int i, i
       asm volatile("bar.sync 3, 288;" ::: "memory");  // warp 2 has finished reading the tile (block i-1)
       store_panels_fp32<DQ>(tiles.dQ(), B_r * 128, dQ_i, dS_scale, row, c0, g, t);
       asm volatile("fence.proxy.async.shared::cta;" ::: "memory");  // the stores are visible to TMA
-      asm volatile("bar.arrive 2, 288;" ::: "memory");
+      asm volatile("bar.arrive 2, 288;" ::: "memory");  // warp 2 may add the tile: this consumer's part is stored
     } else {
       for (int h = 0; h < 2; h++)
         if (i * B_r + row + 8 * h < mask.N_q)  // (dQ_i's rows are queries)
@@ -2743,7 +2743,7 @@ __device__ void bwd_hopper_dV_dK(const BwdTiles<T, d, B_c, STAGES>& tiles, int i
                                  const uint32_t (&dS_frag)[n_tiles][4], int key0, int n0) {
   constexpr int B_r = BwdTiles<T, d, B_c, STAGES>::B_r, ND = 8 * n_cols, align = B_c == 128 ? 64 : ND & -ND;
   const int s = tiles.stage(i);
-  wgmma_fence();
+  wgmma_fence();  // P_frag, dS_frag and the dV_j, dK_j accumulators were last touched by ordinary instructions
   if constexpr (P_in_registers(d)) {  // (then B_c = 128: n0 = 0, ND = d)
     for (int kk = 0; kk < B_r / 16; kk++) wgmma_rs_cols<T, d>(dV_j, P_frag[kk], tiles.dO(s) + kk * 2048, B_r * 128);
     for (int kk = 0; kk < B_r / 16; kk++) wgmma_rs_cols<T, d>(dK_j, dS_frag[kk], tiles.Q(s) + kk * 2048, B_r * 128);
@@ -2835,26 +2835,25 @@ __device__ void bwd_hopper_P_and_dS(const BwdTiles<T, d, B_c, STAGES>& tiles, in
 //   dP_ij^T (64, B_r) = V_j dO_i^T     d/16 wgmma m64n64k16
 //   dV_j    (64, d)  += P_ij^T dO_i    B_r/16 wgmma m64n{d}k16 (in pieces)
 //   dK_j    (64, d)  += dS_ij^T Q_i    B_r/16 wgmma m64n{d}k16
-//   dQ_i (B_r, d/2) += dS_ij K_j       B_c/16 wgmma m64n{d/2}k16 (A: dS_ij^T read transposed)
-// with every operand in shared memory: P_ij^T and dS_ij^T go there from the accumulators, so that the
-// registers hold dK_j and dV_j (64 + 64 per thread at d = 128) and the products in flight. Up to d = 64,
-// dK_j and dV_j take half that, and P_ij^T and dS_ij^T also stay in registers (32 per thread), as the A
-// fragments of dV_j's and dK_j's products (the accumulator layout of S_ij^T is that of an A operand, as in
-// the forward's P_ij V_j): only dS_ij^T, which dQ_i reads transposed, goes to shared memory; and K_j and V_j,
-// the A operands of S_ij^T and dP_ij^T, are loaded into registers once (ldmatrix, 16 + 16 per thread; not with
-// dropout, whose bits take those registers). Every wgmma at d = 64 is small (n = 64), and reading both operands
-// from shared memory bounds it: one whose A comes from registers reads half the bytes. Past d = 128
-// those would be 2 * d/2 registers per thread: there B_c = 64, and the consumers split the columns instead
-// of the keys. Consumer c computes queries 32(c-1) .. 32c-1 of S_ij^T and dP_ij^T (m64n32k16), and columns
-// (c-1) d/2 .. c d/2 - 1 of dV_j and dK_j over all 64 keys, reading both consumers' P_ij^T and dS_ij^T.
-// dQ_i sums over the keys of both consumers: after a barrier that joins them, consumer c computes columns
-// (c-1) d/2 .. c d/2 - 1 over all B_c keys. Up to d = 192 the consumers store dQ_i into an fp32 tile in shared
-// memory, and warp 2 adds the tile into the fp32 dQ with TMA reductions (whole 128-byte rows, at no cost to the
-// consumers; with one atomic per pair of entries from the consumers' registers, as at d = 256 where the tile does
-// not fit, forward + backward took 1.04-1.10x as long at d = 64 and 1.07-1.18x at d = 128 on an H100). (Each
-// consumer adding all columns over its own 64 keys would double the additions, which at d = 64 made the backward
-// slower.) P_ij^T and dS_ij^T have two buffers each: block i's are written while block i-1's may still be read.
-// The CUDA cores compute block i's P and dS while the tensor cores compute block i-1's dV_j and dK_j:
+//   dQ_i (B_r, d/2) += dS_ij K_j       B_c/16 wgmma m64n{DQ}k16, DQ = d/2 (d/4, two passes, at 256)
+// with every operand in shared memory: P_ij^T and dS_ij^T go there from the accumulators, so that the registers hold
+// dK_j and dV_j (64 + 64 per thread at d = 128) and the products in flight. Up to d = 64, dK_j and dV_j take half that,
+// and P_ij^T and dS_ij^T also stay in registers (32 per thread), as the A fragments of dV_j's and dK_j's products (the
+// accumulator layout of S_ij^T is that of an A operand, as in the forward's P_ij V_j): only dS_ij^T, which dQ_i reads
+// transposed, goes to shared memory; and K_j and V_j, the A operands of S_ij^T and dP_ij^T, are loaded into registers
+// once (ldmatrix, 16 + 16 per thread; not with dropout, whose bits take those registers). Every wgmma at d = 64 is
+// small (n = 64, dQ's 32), and reading both operands from shared memory bounds it: one whose A comes from registers
+// reads half the bytes. Past d = 128 those would be 2 * d/2 registers per thread: there B_c = 64, and the consumers
+// split the columns instead of the keys. Consumer c computes queries 32(c-1) .. 32c-1 of S_ij^T and dP_ij^T
+// (m64n32k16), and columns (c-1) d/2 .. c d/2 - 1 of dV_j and dK_j over all 64 keys, reading both consumers' P_ij^T and
+// dS_ij^T. dQ_i sums over the keys of both consumers: after a barrier that joins them, consumer c computes columns
+// (c-1) d/2 .. c d/2 - 1 over all B_c keys. Up to d = 192 the consumers store dQ_i into an fp32 tile in shared memory,
+// and warp 2 adds the tile into the fp32 dQ with TMA reductions (whole 128-byte rows, at no cost to the consumers; with
+// one atomic per pair of entries from the consumers' registers, as at d = 256 where the tile does not fit, forward +
+// backward took 1.04-1.10x as long at d = 64 and 1.07-1.18x at d = 128 on an H100). (Each consumer adding all columns
+// over its own 64 keys would double the additions, which at d = 64 made the backward slower.) P_ij^T and dS_ij^T have
+// two buffers each: block i's are written while block i-1's may still be read. The CUDA cores compute block i's P and
+// dS while the tensor cores compute block i-1's dV_j and dK_j:
 //   issue S^T, dP^T of block i_start
 //   for i: wait S_ij^T: P_ij^T = exp(S - L_i);  wait dP_ij^T: dS_ij^T = P o (dP - D_i)
 //          wait dV, dK of block i-1: release its stage;  store P_ij^T, dS_ij^T;  barrier
@@ -3054,10 +3053,10 @@ flash_decode_hopper(Rows<const T> Q, const __grid_constant__ CUtensorMap K_map, 
         for (int p = lane; p < d / 8; p += 32) *reinterpret_cast<uint4*>(piece(V_s(s), r, p)) = make_uint4(0, 0, 0, 0);
       asm volatile("fence.proxy.async.shared::cta;" ::: "memory");  // before TMA may write there again
     }
-    __syncwarp();
+    __syncwarp();  // the zeroed rows are written before any lane's ldmatrix reads them
     block.step(O_i, m_i, l_i, Q_s, c0, [&](int r, int p) { return piece(K_s(s), r, p); },
                [&](int r, int p) { return piece(V_s(s), r, p); });  // l.8-10
-    __syncwarp();
+    __syncwarp();  // every lane has read the stage before lane 0 says so
     if (lane == 0) mbar_arrive(empty(s));  // this warp has finished reading stage s
     if (threadIdx.x % 128 == 0 && n + STAGES < n_blocks) {
       mbar_wait(empty(s), n / STAGES % 2);  // every warp of the set has: refill it
@@ -3073,11 +3072,11 @@ flash_decode_hopper(Rows<const T> Q, const __grid_constant__ CUtensorMap K_map, 
 // 8. 8-bit attention, forward only: fp8 (e4m3) on Hopper's wgmma, int8 on the mma.sync path (the ampere kernel
 // with TQK = int8). Tensor cores multiply 8-bit operands at twice the rate of 16-bit ones, and the tiles take half
 // the bytes. The price is precision: e4m3 keeps 3 bits of mantissa (relative rounding error up to 2^-4, largest
-// value 448), int8 a uniform grid of 255 steps. flash_quantize makes the 8-bit inputs with one fp32 scale per block of
-// QUANT_ROWS rows of a head (x = s x_hat, s = max |x| / range over the block: 127 for int8, 448 for fp8's V and 16 for
-// its Q and K, whose products the fp8 kernel sums in fp16: see there), so that an outlier costs precision only in its
-// own block. Then S_ij = s_Q,i s_K,j (Q_hat_i K_hat_j^T): the kernels fold s_Q,i s_K,j into
-// the softmax's scale, once per block. Two transforms that leave softmax(Q K^T) unchanged make the inputs easier:
+// value 448), int8 a uniform grid of 255 levels. flash_quantize makes the 8-bit inputs with one fp32 scale per block
+// of QUANT_ROWS rows of a head (x = s x_hat, s = max |x| / range over the block: 127 for int8, 448 for fp8's V and
+// 16 for its Q and K (11 at d = 256), whose products the fp8 kernel sums in fp16: see there), so that an outlier
+// costs precision only in its own block. Then S_ij = s_Q,i s_K,j (Q_hat_i K_hat_j^T): the kernels fold s_Q,i s_K,j
+// into the softmax's scale, once per block. Two transforms that leave softmax(Q K^T) unchanged make the inputs easier:
 // - rotation (FlashAttention-3's incoherent processing): Q and K both times H = diag(signs) Hadamard / sqrt(d),
 //   orthogonal, so (Q H)(K H)^T = Q K^T, while H spreads an outlier channel over all d channels;
 // - smoothing (int8): K minus its mean over the keys, which subtracts q . mean from every score of a row, a constant
@@ -3098,14 +3097,14 @@ __device__ inline uint32_t pack_fp8(float a, float b, float c, float d) {
 // 4t + i (c = 2t + i % 2 + 8 (i / 2)), and P_ij goes from accumulators to fragments without a shuffle.
 __host__ __device__ constexpr int key_position(int c) { return 4 * (c % 8 / 2) + c % 2 + 2 * (c / 8); }
 
-// X_hat = X / s for one head's rows QUANT_ROWS * blockIdx.x .. of X (N, D), s = max |X| / range over them, after
-// X -= mean (mean: (H, D) per head, or nullptr) and X = X diag(signs) Hadamard / sqrt(D) (signs: (D), or nullptr).
-// out: int8 or e4m3 bytes, (B, H, N, D); or with transpose the transpose (B, H, D, N_pad), keys in key_position
-// order within each 16 and zero past N (V for the fp8 kernel, which reads it K-major). scales: (B, H, T).
-// Grid (T, H, B), QUANT_WARPS warps; warp w takes rows w, w + QUANT_WARPS, .. (the transpose rounds them in fours:
-// see there), lane l holding its columns E l .. E l + E - 1 (E = D / 32). Dynamic shared memory: the block's rows
-// as stored, QUANT_ROWS * D * sizeof(T) bytes. (8 warps: with 4 or 16 the kernels took 1.05-1.25x as long on an
-// H200; [[maybe_unused]]: builds without the 8-bit kernels.)
+// X_hat = X / s for one head's rows QUANT_ROWS * blockIdx.x .. of X (N, D), s = max |X| / range over them, after X -=
+// mean (mean: (B, H, D), per sequence and head, or nullptr) and X = X diag(signs) Hadamard / sqrt(D) (signs: (D), or
+// nullptr). out: int8 or e4m3 bytes, (B, H, N, D); or with transpose the transpose (B, H, D, N_pad), keys in
+// key_position order within each 16 and zero past N (V for the fp8 kernel, which reads it K-major). scales: (B, H, T).
+// Grid (T, H, B), QUANT_WARPS warps; warp w takes rows w, w + QUANT_WARPS, .. (the transpose rounds them in fours: see
+// there), lane l holding its columns E l .. E l + E - 1 (E = D / 32). Dynamic shared memory: the block's rows as
+// stored, QUANT_ROWS * D * sizeof(T) bytes. (8 warps: with 4 or 16 the kernels took 1.05-1.25x as long on an H200;
+// [[maybe_unused]]: builds without the 8-bit kernels.)
 [[maybe_unused]] constexpr int QUANT_WARPS = 8;
 template <typename T, bool fp8, int D, bool transpose>
 __global__ void __launch_bounds__(32 * QUANT_WARPS)
@@ -3388,7 +3387,7 @@ __device__ void fp8_producer(const Fp8Tiles<d, NWG, STAGES, V_TRANSPOSED>& tiles
       if (split_KV && n >= STAGES) mbar_wait(tiles.empty(s), (n / STAGES - 1) % 2);  // block j - STAGES's P V is done
       transpose_V<d>(tiles.V(s), tiles.Vt(s), threadIdx.x / 32 - 1, 3);
       asm volatile("fence.proxy.async.shared::cta;" ::: "memory");  // the stores are visible to wgmma
-      __syncwarp();
+      __syncwarp();  // every lane's part of V_j^T is stored before lane 0 says so
       if (threadIdx.x % 32 == 0) mbar_arrive(tiles.transposed(s));
     }
   }
@@ -3449,7 +3448,7 @@ flash_fwd_hopper_fp8(const __grid_constant__ CUtensorMap Q_map, const __grid_con
       }
       wgmma_commit();
     };
-    // l.9, then P_ij times 2^8 as e4m3 fragments in P_next. The scores are f S_ij, f = scale log2(e) s_Q,i s_K,j > 0
+    // l.9, then P_ij times 2^8 as e4m3 fragments in P_next. The scores are f S_ij, f = scale log2(e) s_Q,i s_K,j >= 0
     // (no softcap or ALiBi here; main.py refuses a negative scale): the row maximum is taken on S_ij and scaled once,
     // and each entry costs a conversion to fp32, one FFMA and one ex2. Block j+1's scales are loaded during block j
     // (read where they are used, every softmax began by waiting for them), and divided by __fdividef (an IEEE division
@@ -3516,9 +3515,10 @@ flash_fwd_hopper_fp8(const __grid_constant__ CUtensorMap Q_map, const __grid_con
 
 #ifndef __CUDACC_RTC__
 // ======================================================================================================
-// 9. Host side: one launcher per kernel. main.py builds one extension per kernel from this file, with
-// -DBUILD_<name>: each extension compiles only its own kernel's launchers (and so its kernels), and
-// exposes forward() and, where the kernel has its own, backward().
+// 9. Host side: one launcher per kernel. main.py builds one extension per kernel and tile width from this file
+// (-DHEAD_DIM; and -DPACKED, -DDROPOUT, -DDETERMINISTIC variants), with -DBUILD_<name>: each extension compiles
+// only its own kernel's launchers (and so its kernels), and exposes forward() and, where the kernel has its own,
+// backward().
 // ======================================================================================================
 #define CUDA_CHECK(call)                                                                     \
   do {                                                                                       \
@@ -3657,11 +3657,11 @@ CUtensorMap tensor_map(const at::Tensor& X, int rows,
 #endif
 
 #if defined(BUILD_fp32)
-// Block sizes: with B_r = B_c = 64, the tiles of four forward blocks (two backward) fit in an H100 SM (three
-// and one on an A100; registers let three forward blocks run); for d > 64 the key block (and the backward's query block) is halved so that three (two)
-// still fit on an H100, and past d = 128 the query blocks are halved again, since each thread holds
-// B_r/8 * d/16 values of O_i (and of dQ_i). On a GPU whose blocks get less shared memory than that (see
-// above), B_r is halved until the tiles fit.
+// Block sizes: with B_r = B_c = 64, the tiles of four forward blocks (two backward) fit in an H100 SM (three and one on
+// an A100; registers let three forward blocks run); for d > 64 the key block (and the backward's query block) is halved
+// so that three (two) still fit on an H100, and past d = 128 the query blocks are halved again, since each thread holds
+// B_r/8 * d/16 values of O_i (and of dQ_i). On a GPU whose blocks get less shared memory than that (see above), B_r is
+// halved until the tiles fit.
 template <int d, int B_r = (d <= 128 ? 64 : 32)>
 void fwd_fp32(const at::Tensor& Q, const at::Tensor& K, const at::Tensor& V, at::Tensor& O, at::Tensor& L,
               const Scores& sc, cudaStream_t stream) {
@@ -4023,10 +4023,10 @@ std::vector<at::Tensor> forward(const at::Tensor& Q, const at::Tensor& K, const 
 }
 
 #ifdef HAS_BACKWARD
-// dQ (B, H_q, N_q, d) fp32, contiguous: atomics (hopper: TMA reductions) add into it, and main.py converts it to Q's dtype (in a
-// DETERMINISTIC build: in Q's dtype, from bwd_dq, with no atomics and no fp32 copy). dK, dV in K's and V's
-// layouts where dense, else contiguous; with grouped-query attention (H_kv < H_q) they are per query head,
-// (B, H_q, N_k, d), and main.py sums each group's. dL: the gradient of L, if L was used: dS_ij = P_ij o (dP_ij -
+// dQ (B, H_q, N_q, d) fp32, contiguous: atomics (hopper: TMA reductions up to d = 192) add into it, and main.py
+// converts it to Q's dtype (in a DETERMINISTIC build: in Q's dtype, from bwd_dq, with no atomics and no fp32 copy). dK,
+// dV in K's and V's layouts where dense, else contiguous; with grouped-query attention (H_kv < H_q) they are per query
+// head, (B, H_q, N_k, d), and main.py sums each group's. dL: the gradient of L, if L was used: dS_ij = P_ij o (dP_ij -
 // (D_i - dL_i)), so it joins D (main.py). dropout_p, dropout_key: the forward's.
 std::vector<at::Tensor> backward(const at::Tensor& Q, const at::Tensor& K, const at::Tensor& V, const at::Tensor& O,
                                  const at::Tensor& L, const at::Tensor& dO, const std::optional<at::Tensor>& dL,
@@ -4036,7 +4036,8 @@ std::vector<at::Tensor> backward(const at::Tensor& Q, const at::Tensor& K, const
                                  const std::optional<at::Tensor>& dropout_key, int64_t stream) {
   const auto s = reinterpret_cast<cudaStream_t>(stream);
   auto D = at::empty_like(L);
-  auto dQ = DETERMINISTIC ? at::empty_like(Q) : at::empty(Q.sizes(), Q.options().dtype(at::kFloat));  // (zeroed below)
+  // (fp32: zeroed by the preprocessing below; DETERMINISTIC: written whole by bwd_dq)
+  auto dQ = DETERMINISTIC ? at::empty_like(Q) : at::empty(Q.sizes(), Q.options().dtype(at::kFloat));
   const bool grouped = Q.size(1) != K.size(1);
   const auto per_query_head = [&](const at::Tensor& X) {
     return grouped ? at::empty({X.size(0), Q.size(1), X.size(2), X.size(3)}, X.options()) : at::empty_like(X);
