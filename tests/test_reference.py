@@ -135,3 +135,66 @@ def test_attention_varlen_is_block_diagonal_attention(causal):
     expected = torch.einsum("hqk,khd->qhd", P, V.repeat_interleave(2, dim=1))
     O = reference.attention_varlen(Q, K, V, cu_q, cu_k, causal)
     assert torch.allclose(O, expected, atol=1e-12)
+
+
+def attention_by_definition(q, k, v, scale, causal, window, softcap, slopes):
+    """O and L from the rules as flash_attention's docstring states them, one score at a time in float64 (built
+    without reference.py's helpers, which the kernels' tests share): query i of N_q sees key j of N_k when
+    i + N_k - N_q - left <= j <= i + N_k - N_q + right, a side of -1 being no bound and causal making right 0; the
+    score is scale q_i . k_j, then c tanh(score / c) with a softcap c > 0, then minus slope_h |i + N_k - N_q - j|
+    with ALiBi (slopes (H_q,) or (B, H_q)); query head h reads key/value head h // (H_q / H_kv); a query that sees
+    no key gets O = 0 and L = -inf."""
+    B, H_q, N_q, d = q.shape
+    H_kv, N_k = k.shape[1], k.shape[2]
+    left, right = window[0], 0 if causal else window[1]
+    O, L = [], []
+    for b in range(B):
+        for h in range(H_q):
+            g = h // (H_q // H_kv)
+            slope = None if slopes is None else float(slopes[b, h] if slopes.dim() == 2 else slopes[h])
+            for i in range(N_q):
+                diagonal = i + N_k - N_q
+                seen = [j for j in range(N_k)
+                        if (left < 0 or j >= diagonal - left) and (right < 0 or j <= diagonal + right)]
+                if not seen:
+                    O.append(q.new_zeros(d))
+                    L.append(q.new_tensor(-math.inf))
+                    continue
+                scores = []
+                for j in seen:
+                    s = scale * (q[b, h, i] @ k[b, g, j])
+                    if softcap > 0:
+                        s = softcap * torch.tanh(s / softcap)
+                    if slope is not None:
+                        s = s - slope * abs(diagonal - j)
+                    scores.append(s)
+                scores = torch.stack(scores)
+                weights = torch.exp(scores - scores.max())
+                L.append(scores.max() + torch.log(weights.sum()))
+                O.append(sum(w * v[b, g, j] for w, j in zip(weights, seen)) / weights.sum())
+    return torch.stack(O).view(B, H_q, N_q, d), torch.stack(L).view(B, H_q, N_q)
+
+
+@pytest.mark.parametrize("N_q, N_k", [(1, 11), (9, 9), (9, 4), (6, 13)])
+@pytest.mark.parametrize("causal, window", [(False, (-1, -1)), (True, (-1, -1)), (False, (2, 3)), (True, (3, -1)),
+                                            (False, (0, 0)), (False, (-1, 1)), (False, (4, -1))])
+def test_masks_and_score_modifications_follow_their_definitions(N_q, N_k, causal, window):
+    """reference.attention and flash_forward, and flash_backward against autograd through the definition, with a
+    window, a softcap and ALiBi (per head, and per sequence and head), on unequal lengths and grouped heads."""
+    g = torch.Generator().manual_seed(N_q * 100 + N_k + 7 * window[0] + causal)
+    q, do = (torch.randn(2, 4, N_q, 8, generator=g, dtype=torch.float64) for _ in range(2))
+    k, v = (torch.randn(2, 2, N_k, 8, generator=g, dtype=torch.float64) for _ in range(2))
+    for softcap, slopes in [(0.0, None), (1.5, torch.rand(4, generator=g, dtype=torch.float64)),
+                            (0.0, torch.rand(2, 4, generator=g, dtype=torch.float64))]:
+        scores = dict(window_size=window, softcap=softcap, alibi_slopes=slopes)
+        qg, kg, vg = (t.clone().requires_grad_() for t in (q, k, v))
+        O_def, L_def = attention_by_definition(qg, kg, vg, 0.7, causal, window, softcap, slopes)
+        grads_def = torch.autograd.grad(O_def, (qg, kg, vg), do)
+        O_dense = reference.attention(q, k, v, causal, 0.7, **scores)
+        O, L = reference.flash_forward(q, k, v, causal, 0.7, B_r=4, B_c=3, **scores)
+        grads = reference.flash_backward(q, k, v, O, L, do, causal, 0.7, B_r=4, B_c=3, **scores)
+        where = f"causal={causal}, window={window}, softcap={softcap}, slopes {None if slopes is None else slopes.shape}"
+        assert torch.equal(L.isinf(), L_def.isinf()), f"rows that see no key differ ({where})"
+        for name, x, ref in [("O, dense", O_dense, O_def), ("O", O, O_def), ("L", L, L_def),
+                             *zip(["dQ", "dK", "dV"], grads, grads_def)]:
+            torch.testing.assert_close(x, ref, rtol=1e-10, atol=1e-10, msg=lambda m: f"{name} ({where}): {m}")
