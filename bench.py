@@ -102,8 +102,8 @@ PEAK_TFLOPS = [("H100 PCIe", {"fp16": 756.5, "bf16": 756.5, "fp32": 51.0}),
                ("L4", {"fp16": 121.0, "bf16": 121.0, "fp32": 30.3}),
                ("A10", {"fp16": 125.0, "bf16": 125.0, "fp32": 31.2})]
 # Peak memory (HBM) bandwidth in TB/s from the same data sheets, keys matched as PEAK_TFLOPS's.
-PEAK_TBPS = [("H100 PCIe", 2.0), ("H100 NVL", 3.9), ("H100", 3.35), ("H200 NVL", 4.8), ("H200", 4.8), ("A100 80GB", 2.0),
-             ("A100 40GB", 1.555)]
+PEAK_TBPS = [("H100 PCIe", 2.0), ("H100 NVL", 3.9), ("H100", 3.35), ("H200 NVL", 4.8), ("H200", 4.8),
+             ("A100 80GB", 2.0), ("A100 40GB", 1.555)]
 QUICK = "--seqlens 1024,4096 --d 64 --dtype fp16,fp32 --modes fwd,fwd_bwd --causal off --warmup 5 --rep 20".split()
 # The fields of a row, and how the terminal and the markdown page show them: (field, header, width, format).
 COLUMNS = [("dtype", "dtype", 5, "{}"), ("d", "d", 3, "{}"), ("causal", "causal", 6, "{}"), ("mode", "mode", 7, "{}"),
@@ -650,7 +650,7 @@ def bench_model_system(system, tokens):
         return row | {"status": "unsupported" if backend else "ERROR", "note": note}
     finally:
         torch._dynamo.reset()  # the next system compiles its own graphs
-    ms = statistics.median_high(start.elapsed_time(end) for start, end in events)  # (one of the steps: of 20, the 11th)
+    ms = statistics.median_high(start.elapsed_time(end) for start, end in events)  # (one of the steps: the 11th of 20)
     return row | {"status": "ok", "ms": ms, "memory_gib": torch.cuda.max_memory_allocated() / 2**30,
                   "first_loss": losses[0].item(), "last_loss": losses[-1].item()}
 
@@ -847,9 +847,9 @@ def write_model_section(path, metadata, rows, results, render_command):
              f"Measured on {metadata['gpu']} on {metadata['date'][:10]} (torch {metadata['torch']}, CUDA "
              f"{metadata['cuda']}); `bench.py --model` writes this section from "
              f"[{link(results, path)}]({link(results, path)}): rerun it rather than edit it.",
-             f"ms/step is the median (the higher middle one) of {MODEL_STEPS[1]} steps after {MODEL_STEPS[0]} of warm-up (compilation); "
-             "vs SDPA is the time of `sdpa` (its default backend choice) over the row's; above 1 is faster; GiB is "
-             "the peak memory allocated.",
+             f"ms/step is the median (the higher middle one) of {MODEL_STEPS[1]} steps after {MODEL_STEPS[0]} of "
+             "warm-up (compilation); vs SDPA is the time of `sdpa` (its default backend choice) over the row's; "
+             "above 1 is faster; GiB is the peak memory allocated.",
              f"Every system starts from the same weights and trains on the same batch: loss 1 and loss "
              f"{sum(MODEL_STEPS)} must agree with the first row's within {MODEL_LOSS_TOLERANCE:.0%} (else MISMATCH).",
              ""] + how_measured(metadata, render_command) + table_lines(rows, MODEL_COLUMNS) + [""]
@@ -930,27 +930,24 @@ def merge_results(paths, command):
 def cli(argv=None):
     argv = sys.argv[1:] if argv is None else argv
     args, command = parse_args(argv), shlex.join(["python", "bench.py", *argv])
-    if args.merge:
-        metadata, rows = merge_results(args.merge, command)
-        sweep, out = None, args.out or Path("bench_results")
-        out.mkdir(parents=True, exist_ok=True)
-        results = out / "results.json"
-        results.write_text(json.dumps({"metadata": metadata, "rows": rows}, indent=1) + "\n")
-        print(*table_lines(rows, COLUMNS), sep="\n")
-    elif args.plot_from:
+    if args.plot_from:
         if not args.plot_from.is_file():
             raise SystemExit(f"bench.py: no results file {args.plot_from}")
         saved, out, results = json.loads(args.plot_from.read_text()), args.out or args.plot_from.parent, args.plot_from
         metadata, rows = saved["metadata"], saved["rows"]
         sweep = metadata.get("sweep")  # the file says which sweep wrote it
         print(*table_lines(rows, {"decode": DECODE_COLUMNS, "model": MODEL_COLUMNS}.get(sweep, COLUMNS)), sep="\n")
-    elif not torch.cuda.is_available():
+    elif not args.merge and not torch.cuda.is_available():
         print("bench.py: no CUDA GPU found; the benchmark needs one "
               "(--plot-from FILE redraws saved results without a GPU)", file=sys.stderr)
         return 1
-    else:
+    else:  # measured now, or joined from saved runs (no GPU needed)
         sweep = "decode" if args.decode else "model" if args.model else None
-        metadata, rows = {"decode": run_decode, "model": run_model}.get(sweep, run_sweep)(args, command)
+        if args.merge:
+            metadata, rows = merge_results(args.merge, command)
+            print(*table_lines(rows), sep="\n")
+        else:
+            metadata, rows = {"decode": run_decode, "model": run_model}.get(sweep, run_sweep)(args, command)
         out = args.out or Path("bench_results")
         out.mkdir(parents=True, exist_ok=True)
         results = out / {"decode": "decode.json", "model": "model.json"}.get(sweep, "results.json")

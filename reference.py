@@ -183,8 +183,8 @@ def flash_forward(Q, K, V, causal=False, softmax_scale=None, B_r=64, B_c=64, key
     visits one range of them per part and merges the parts. dropout_p > 0: each block draws its Z_ij from
     dropout_seed (dropout_keep), as the kernels do; Q is then (B, H_q, N_q, d) or (H_q, N_q, d).
     tau > 0: lazy rescaling (the ampere forward, but for its int8 build at d <= 64, and the Hopper forward at
-    d >= 128, with tau = 8 ln 2): m_i moves only where a block's row maximum passes it by more than tau. O and L do not change: O_i, l_i and L_i all use the same m_i, and
-    P_ij <= e^tau."""
+    d >= 128, with tau = 8 ln 2): m_i moves only where a block's row maximum passes it by more than tau. O and L do
+    not change: O_i, l_i and L_i all use the same m_i, and P_ij <= e^tau."""
     if tau < 0:
         raise ValueError(f"tau must be >= 0 (m_i may only lag behind the row maximum), got {tau}")
     N_q, N_k = Q.shape[-2], K.shape[-2]

@@ -215,7 +215,8 @@ def ring_attention(q, k, v, causal=False, softmax_scale=None, group=None, kernel
                          f"and one device, got {q.dtype}, {k.dtype}, {v.dtype} on {q.device}, {k.device}, {v.device}")
     main._check_kernel_name(kernel)
     if causal and q.shape[2] != k.shape[2]:
-        raise ValueError(f"causal: q and k must hold the same tokens, N = N_k, got N = {q.shape[2]}, N_k = {k.shape[2]}")
+        raise ValueError(f"causal: q and k must hold the same tokens, N = N_k, got N = {q.shape[2]}, "
+                         f"N_k = {k.shape[2]}")
     if causal and balanced and q.shape[2] % 2:
         raise ValueError(f"causal with balanced=True: each rank's N tokens are two chunks, so N must be even, got "
                          f"N = {q.shape[2]} (or pass balanced=False)")

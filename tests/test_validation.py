@@ -213,7 +213,8 @@ def test_kvcache_lengths_are_checked_before_any_cast(lengths, words):
 @cuda
 def test_kvcache_checks_the_kernel_before_it_appends():
     """A kernel that does not take these inputs raises before k and v go into the caches."""
-    q, k_cache, v_cache, k, v = (torch.randn(1, 2, n, 64, device="cuda", dtype=torch.float16) for n in (1, 16, 16, 1, 1))
+    q, k_cache, v_cache, k, v = (torch.randn(1, 2, n, 64, device="cuda", dtype=torch.float16)
+                                 for n in (1, 16, 16, 1, 1))
     before = k_cache.clone(), v_cache.clone()
     with pytest.raises(ValueError, match="kernel 'fp32' takes dtypes"):
         main.flash_attention_with_kvcache(q, k_cache, v_cache, 3, k, v, kernel="fp32")
@@ -221,7 +222,7 @@ def test_kvcache_checks_the_kernel_before_it_appends():
 
 
 def test_kvcache_is_forward_only():
-    q, k_cache, v_cache = torch.randn(1, 2, 1, 64, requires_grad=True), torch.randn(1, 2, 16, 64), torch.randn(1, 2, 16, 64)
+    q, k_cache, v_cache = torch.randn(1, 2, 1, 64, requires_grad=True), *(torch.randn(1, 2, 16, 64) for _ in range(2))
     with pytest.raises(ValueError, match="forward only .* q requires grad"):
         main.flash_attention_with_kvcache(q, k_cache, v_cache, 3)
 
@@ -258,7 +259,8 @@ def cu(*starts, device="cpu", dtype=torch.int32):
     (lambda: (*packed_qkv(), cu(0, 10), [0, 10], 10, 10), ValueError, "cu_seqlens_k must be an int32 tensor"),
     (lambda: (*packed_qkv(), cu(10), cu(10), 10, 10), ValueError, "with B >= 1"),
     (lambda: (*packed_qkv(), cu(0, 4, 10), cu(0, 10), 10, 10), ValueError, "the same B sequences"),
-    (lambda: (*packed_qkv(), cu(0, 10), cu(0, 10), 10.0, 10), ValueError, "max_seqlen_q must be an integer in [0, 2^31)"),
+    (lambda: (*packed_qkv(), cu(0, 10), cu(0, 10), 10.0, 10), ValueError,
+     "max_seqlen_q must be an integer in [0, 2^31)"),
     (lambda: (*packed_qkv(), cu(0, 10), cu(0, 10), 10, 2 ** 32 + 1), ValueError,  # (an int32 would read 1)
      "max_seqlen_k must be an integer in [0, 2^31), got 4294967297"),
     (lambda: (packed_qkv()[0], *packed_qkv(d=32)[1:], cu(0, 10), cu(0, 10), 10, 10), ValueError,
@@ -352,5 +354,6 @@ def test_outputs_come_back_in_the_layouts_the_fakes_promise(layout, monkeypatch)
     fake_o, _ = torch.ops.flash.forward(q_, k_, v_, -1, 0, 0.125, 0.0, None, "hopper")
     fakes = torch.ops.flash.backward(o_, None, q_, k_, v_, o_, L_, -1, 0, 0.125, 0.0, None, "hopper")
     for name, real, fake in zip(("O", "dQ", "dK", "dV"), (o, dq, dk, dv), (fake_o, *fakes)):
-        assert real.stride() == fake.stride() and real.dtype == fake.dtype, \
-            f"{name}: strides {real.stride()} {real.dtype}, where the fake implementation says {fake.stride()} {fake.dtype}"
+        assert real.stride() == fake.stride() and real.dtype == fake.dtype, (
+            f"{name}: strides {real.stride()} {real.dtype}, where the fake implementation says {fake.stride()} "
+            f"{fake.dtype}")
