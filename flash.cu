@@ -3161,7 +3161,7 @@ flash_quantize(Rows<const T> X, uint8_t* __restrict__ out, float* __restrict__ s
     for (int e = 0; e < E; e++) x[e] *= rsqrtf(float(D));
   };
   float amax = 0.f;
-  for (int r = warp; r < QUANT_ROWS; r += QUANT_WARPS) {
+  for (int r = warp; r < min(QUANT_ROWS, N - row0); r += QUANT_WARPS) {  // (rows past N hold -mean once smoothed)
     float x[E];
     row(r, x);
     for (int e = 0; e < E; e++) amax = fmaxf(amax, fabsf(x[e]));
@@ -3585,7 +3585,10 @@ size_t device_smem_per_block() {
 }
 size_t max_smem_per_block() {
   const char* limit = std::getenv("FLASH_SMEM_LIMIT");
-  return limit ? std::min<size_t>(device_smem_per_block(), std::strtoull(limit, nullptr, 10)) : device_smem_per_block();
+  char* end = nullptr;
+  const unsigned long long bytes = limit ? std::strtoull(limit, &end, 10) : 0;
+  // (main.py refuses a value that is no number of bytes, before any launch)
+  return bytes > 0 && !*end ? std::min<size_t>(device_smem_per_block(), bytes) : device_smem_per_block();
 }
 
 // Kernels that need more than 48 KB of shared memory must ask for it before their first launch (or occupancy
@@ -3895,7 +3898,7 @@ void decode(const at::Tensor& Q, const at::Tensor& K, const at::Tensor& V, at::T
   if constexpr (STAGES > 2)
     if (smem > max_smem_per_block()) return decode<T, d, STAGES - 1>(Q, K, V, O, L, seqlens_k, sc, stream);
   // Not even two stages fit (d >= 192 on sm_86 and sm_89, 99 KB a block): the forward kernel, unsplit, fits
-  // there. It knows no cache lengths, so a KV cache keeps allow_smem's error.
+  // there. It takes no cache lengths: main.py's _decoding_fits sends a KV cache there one sequence at a time.
   if constexpr (STAGES == 2)
     if (smem > max_smem_per_block() && !seqlens_k) return fwd<T, d>(Q, K, V, O, L, sc, stream);
   const auto kernel = flash_decode<T, d, STAGES>;
@@ -3910,17 +3913,21 @@ void decode(const at::Tensor& Q, const at::Tensor& K, const at::Tensor& V, at::T
   // made 8, the last with a quarter of the SMs idle (22.0 ms a step against 22.2 ms).
   int device;
   CUDA_CHECK(cudaGetDevice(&device));
-  static int slots[64] = {};  // blocks of this kernel that the device's SMs hold at once, asked once per device
-  if (!slots[device]) {       // (the occupancy query costs more than a short decoding step)
+  // Blocks of this kernel that the device's SMs hold at once, asked once per device (of the first 64): the
+  // occupancy query costs more than a short decoding step.
+  static int slots_of[64] = {};
+  int slots = device < 64 ? slots_of[device] : 0;
+  if (!slots) {
     int sms, per_sm;
     CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
     allow_smem(kernel, smem);
     CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, threads, smem));
-    slots[device] = sms * per_sm;
+    slots = sms * per_sm;
+    if (device < 64) slots_of[device] = slots;
   }
   const int tiles = (G * N_q + 15) / 16, T_c = (N_k + B_c - 1) / B_c, blocks = B * H_kv * tiles;
   const auto cost = [&](int splits) {  // in key blocks' time
-    const int64_t waves = (int64_t(blocks) * splits + slots[device] - 1) / slots[device];
+    const int64_t waves = (int64_t(blocks) * splits + slots - 1) / slots;
     return waves * ((T_c + splits - 1) / splits + 2);
   };
   int splits = 1;

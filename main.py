@@ -148,6 +148,9 @@ def load(kernel, d=64, packed=False, dropout=False, deterministic=False):
     reuse the build. packed: the build for packed batches (flash_attention_varlen; -DPACKED=1). dropout: the
     build with dropout (-DDROPOUT=1; the others are left as they were, so that dropout_p = 0 costs nothing).
     deterministic: the build whose backward computes dQ without atomics (-DDETERMINISTIC=1)."""
+    limit = os.environ.get("FLASH_SMEM_LIMIT")  # (read by flash.cu's launchers at every call: checked here)
+    if limit is not None and not (limit.isascii() and limit.isdigit() and int(limit) > 0):
+        raise ValueError(f"FLASH_SMEM_LIMIT must be a number of bytes, such as {99 * 1024}; got {limit!r}")
     key = kernel, d, packed, dropout, deterministic
     if key in _extensions:
         return _extensions[key]
@@ -571,7 +574,7 @@ def flash_attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, k=None, v=N
         batch = torch.arange(B, device=q.device)[:, None]
         k_cache[batch, :, positions] = k.transpose(1, 2)  # indexed as (B, N_new, H_kv, d)
         v_cache[batch, :, positions] = v.transpose(1, 2)
-    if KERNELS[kernel]["split_kv"] and q.shape[2] <= SPLIT_KV_MAX_QUERIES:
+    if KERNELS[kernel]["split_kv"] and q.shape[2] <= SPLIT_KV_MAX_QUERIES and _decoding_fits(kernel, q):
         o, L = _run_forward(q, k_cache, v_cache, window, scale, softcap, alibi_slopes, kernel, seqlens + N_new)
     else:
         per_batch = alibi_slopes is not None and alibi_slopes.dim() == 2  # (B, H_q): sequence b's row
@@ -580,6 +583,19 @@ def flash_attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, k=None, v=N
                  for b, n in enumerate(lengths)]
         o, L = (torch.cat(x) for x in zip(*parts))
     return (o, L) if return_lse else o
+
+
+def _decoding_fits(kernel, q):
+    """Whether kernel's split-KV decoding, which reads the cache lengths, fits this GPU. The ampere kernel needs
+    two stages of K_j, V_j, (16 + 4 B_c) (D + 8) elements with B_c = 64 and D its tile width (flash.cu's decode):
+    at D >= 192 more than the 99 KB sm_86 and sm_89 give a block (FLASH_SMEM_LIMIT lowers the limit as there).
+    Where they do not fit, each sequence is decoded by the forward kernel, on a view of its valid rows."""
+    if kernel != "ampere":
+        return True
+    limit = getattr(torch.cuda.get_device_properties(q.device), "shared_memory_per_block_optin", None) or math.inf
+    lowered = os.environ.get("FLASH_SMEM_LIMIT", "")  # (one that is no number: load refuses it)
+    limit = min(limit, int(lowered)) if lowered.isascii() and lowered.isdigit() else limit
+    return (16 + 4 * 64) * (tile_dim(kernel, q.shape[-1]) + 8) * q.element_size() <= limit
 
 
 # ---------------------------------------------------------------------------------------------------------

@@ -14,7 +14,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import reference
-from main import flash_attention, flash_attention_with_kvcache, list_kernels, rel_err
+from main import SPLIT_KV_MAX_QUERIES, flash_attention, flash_attention_with_kvcache, list_kernels, rel_err
 import test_kernels  # tests/ is on sys.path under pytest
 from test_kernels import DTYPES
 
@@ -25,7 +25,19 @@ SPLIT_KV = [(name, dtype) for name, dtype in CASES if next(k for k in list_kerne
 
 def o_tolerance(dtype):
     """The bound on rel_err(O, float64) of the decoding and KV-cache tests: bf16 keeps 8 bits of mantissa."""
-    return 2e-2 if dtype == "bfloat16" else 3e-3
+    return {"float32": 1e-5, "float16": 3e-3, "bfloat16": 2e-2}[dtype]
+
+
+def launched(fn):
+    """The names of the CUDA kernels fn() launches, as torch.profiler reports them ("void flash_decode<...>(...)")."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as profile:
+        fn()
+        torch.cuda.synchronize()
+    return [event.name for event in profile.events() if event.device_type == torch.autograd.DeviceType.CUDA]
+
+
+def ran(names, kernel_name):
+    return any(f"{kernel_name}<" in name for name in names)  # ("flash_decode<" is not "flash_decode_hopper<")
 
 
 def check(kernel, q, k, v, do, causal, scale=None):
@@ -80,6 +92,41 @@ def test_decoding_splits_the_keys(kernel, dtype, d):
         k, v = (torch.randn(B, H_kv, N_k, d, device="cuda", dtype=DTYPES[dtype]) for _ in range(2))
         for causal in (False, True):
             check(kernel, q, k, v, do, causal)
+
+
+@pytest.mark.parametrize("kernel, dtype", SPLIT_KV)
+def test_decoding_runs_the_split_kernel(kernel, dtype, monkeypatch):
+    """Which kernel decodes is what makes decoding fast, and results alone do not show it: N_q <=
+    SPLIT_KV_MAX_QUERIES runs the split-KV kernel, a query more the forward kernel; and on a GPU that gives a
+    block 99 KB (FLASH_SMEM_LIMIT), where two stages of the split-KV kernel do not fit (ampere, d = 256), the
+    forward kernel, with a KV cache one sequence at a time."""
+    split, forward = {"ampere": "flash_decode", "hopper": "flash_decode_hopper"}[kernel], f"flash_fwd_{kernel}"
+    make = lambda *shape: torch.randn(*shape, device="cuda", dtype=DTYPES[dtype])  # noqa: E731
+    for N_q, expected in ((1, split), (SPLIT_KV_MAX_QUERIES, split), (SPLIT_KV_MAX_QUERIES + 1, forward)):
+        q, k, v = make(2, 8, N_q, 64), make(2, 2, 3000, 64), make(2, 2, 3000, 64)
+        names = launched(lambda: flash_attention(q, k, v, kernel=kernel))
+        assert ran(names, expected) and not ran(names, split if expected == forward else forward), \
+            f"N_q = {N_q}: launched {names}"
+    if kernel != "ampere" or 256 not in next(k for k in list_kernels() if k["name"] == kernel)["head_dims"]:
+        return
+    monkeypatch.setenv("FLASH_SMEM_LIMIT", str(99 * 1024))
+    q, k_cache, v_cache, k, v = cache_problem(kernel, dtype, N_new=1, d=256)
+    seqlens = torch.tensor([0, 17, 250], device="cuda", dtype=torch.int32)
+    for call in (lambda: flash_attention(q, k_cache, v_cache, kernel=kernel),
+                 lambda: flash_attention_with_kvcache(q, k_cache, v_cache, seqlens, k=k, v=v, kernel=kernel)):
+        names = launched(call)
+        assert ran(names, forward) and not ran(names, split), f"99 KB, d = 256: launched {names}"
+    o = flash_attention_with_kvcache(q, k_cache, v_cache, seqlens + 1, kernel=kernel)  # (k, v appended above)
+    for b, n in enumerate(seqlens.tolist()):
+        exact = reference.attention(*(x[b:b + 1, :, :n + 1].double() for x in (q, k_cache, v_cache)), causal=True)
+        assert rel_err(o[b:b + 1], exact) < o_tolerance(dtype), f"99 KB, sequence {b}: {rel_err(o[b:b + 1], exact):.1e}"
+
+
+def test_a_malformed_smem_limit_is_refused(monkeypatch):
+    q = torch.randn(1, 2, 1, 64, device="cuda", dtype=torch.float16)
+    monkeypatch.setenv("FLASH_SMEM_LIMIT", "99KB")
+    with pytest.raises(ValueError, match="FLASH_SMEM_LIMIT must be a number of bytes, such as 101376; got '99KB'"):
+        flash_attention(q, q, q)
 
 
 @pytest.mark.parametrize("kernel, dtype", SPLIT_KV)

@@ -221,6 +221,13 @@ def test_kvcache_checks_the_kernel_before_it_appends():
     assert torch.equal(k_cache, before[0]) and torch.equal(v_cache, before[1])
 
 
+@pytest.mark.parametrize("limit", ["99KB", "0", "-5", " 1024", ""])
+def test_a_smem_limit_that_is_no_number_of_bytes_is_refused(limit, monkeypatch):
+    monkeypatch.setenv("FLASH_SMEM_LIMIT", limit)
+    with pytest.raises(ValueError, match=f"FLASH_SMEM_LIMIT must be a number of bytes, such as 101376; got '{limit}'"):
+        main.load("fp32", 64)
+
+
 def test_kvcache_is_forward_only():
     q, k_cache, v_cache = torch.randn(1, 2, 1, 64, requires_grad=True), *(torch.randn(1, 2, 16, 64) for _ in range(2))
     with pytest.raises(ValueError, match="forward only .* q requires grad"):
