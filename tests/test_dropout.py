@@ -216,7 +216,8 @@ def test_seed_reproduces_and_p_zero_is_no_dropout():
     torch.manual_seed(42)
     assert torch.equal(a, flash_attention(q, k, v, dropout_p=0.5)), "torch.manual_seed must reproduce the mask"
     assert not torch.equal(a, b), "each call draws a new mask"
-    assert torch.equal(flash_attention(q, k, v, dropout_p=0.0), flash_attention(q, k, v))
+    exact = reference.attention(q.double(), k.double(), v.double())  # p = 0 with a seed given: nothing dropped
+    assert rel_err(flash_attention(q, k, v, dropout_p=0.0, dropout_seed=42), exact) < 3e-3
 
 
 @cuda

@@ -8,9 +8,9 @@ import torch
 import torch.nn as nn
 
 import main
-import reference
-from main import TOLERANCE, flash_attention, list_kernels, outputs, rel_err
-from test_validation import LAYOUTS, layout_problem  # tests/ is on sys.path under pytest
+from main import flash_attention, list_kernels, outputs, rel_err
+import test_kernels  # tests/ is on sys.path under pytest
+from test_validation import LAYOUTS, layout_problem
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 CASES = [(k["name"], dtype) for k in list_kernels() if k["available"] for dtype in k["dtypes"]]
@@ -50,9 +50,11 @@ def test_L_and_its_gradient(kernel, dtype):
         inputs = [t.detach().clone().requires_grad_() for t in inputs]
         loss, L = loss_terms(attention, *inputs)
         results.append([L, *torch.autograd.grad(loss, inputs)])
+    # SDPA returns no L to compare with: fixed bounds, ten times fp16's and bf16's unit roundoff
+    bound = {"float32": 1e-5, "float16": 5e-3, "bfloat16": 4e-2}[dtype]
     for name, x, ref in zip(["L", "dQ", "dK", "dV"], *results):
         assert x.dtype == (torch.float32 if name == "L" else q.dtype)
-        assert rel_err(x, ref) < TOLERANCE[dtype], f"{name}: relative error {rel_err(x, ref):.1e}"
+        assert rel_err(x, ref) < bound, f"{name}: relative error {rel_err(x, ref):.1e}"
 
 
 @pytest.mark.parametrize("kernel, dtype", CASES)
@@ -64,29 +66,23 @@ def test_strided_inputs_are_read_in_place(kernel, dtype):
     q, k, v = (qkv[:, :, i].transpose(1, 2) for i in range(3))     # (B, H, N, d) views, rows 3 H d apart
     do = torch.randn(B, N, H, d, device="cuda", dtype=dt).transpose(1, 2)
     assert all(main._readable(t) is t for t in (q, k, v, do)), "a strided view was copied"
-    ours = outputs(lambda q, k, v: flash_attention(q, k, v, causal=True, kernel=kernel), q, k, v, do)
-    exact = outputs(lambda q, k, v: reference.attention(q, k, v, causal=True), *(t.double() for t in (q, k, v, do)))
-    for name, x, ref in zip(["O", "dQ", "dK", "dV"], ours, exact):
-        assert rel_err(x, ref) < TOLERANCE[dtype], f"{name}: relative error {rel_err(x, ref):.1e}"
+    test_kernels.check(kernel, q, k, v, do, causal=True)
     o = flash_attention(*(torch.randn(B, N, H, d, device="cuda", dtype=dt).transpose(1, 2) for _ in range(3)),
                         kernel=kernel)
     assert o.stride() == (N * H * d, d, H * d, 1), f"O is not in the layout of q: strides {o.stride()}"
 
 
 def test_odd_strides_are_copied_once():
-    q, k, v = (torch.randn(1, 2, 40, 68, device="cuda", dtype=torch.float16)[..., :64] for _ in range(3))
+    q, k, v, do = (torch.randn(1, 2, 40, 68, device="cuda", dtype=torch.float16)[..., :64] for _ in range(4))
     assert main._readable(q) is not q and main._readable(q).is_contiguous()  # rows 136 bytes apart: not 16 B
-    exact = reference.attention(q.double(), k.double(), v.double())
-    assert rel_err(flash_attention(q, k, v), exact) < TOLERANCE["float16"]
+    test_kernels.check("auto", q, k, v, do, causal=False)
 
 
 def test_more_than_65535_heads():
     torch.manual_seed(5)
-    q, k, v = (torch.randn(1100, 64, 3, 64, device="cuda", dtype=torch.float16) for _ in range(3))  # B*H = 70400
-    o = flash_attention(q, k, v, causal=True)
-    assert rel_err(o, reference.attention(q.double(), k.double(), v.double(), causal=True)) < TOLERANCE["float16"]
-    o = flash_attention(q.float(), k.float(), v.float(), kernel="fp32")
-    assert rel_err(o, reference.attention(q.double(), k.double(), v.double())) < TOLERANCE["float32"]
+    q, k, v, do = (torch.randn(1100, 64, 3, 64, device="cuda", dtype=torch.float16) for _ in range(4))  # B*H = 70400
+    test_kernels.check("auto", q, k, v, do, causal=True)
+    test_kernels.check("fp32", *(t.float() for t in (q, k, v, do)), causal=False)
 
 
 class Block(nn.Module):
@@ -136,24 +132,26 @@ def test_torch_compile_with_groups_and_unequal_lengths():
     q, do = (torch.randn(2, 8, 33, 64, device="cuda", dtype=torch.float16) for _ in range(2))
     k, v = (torch.randn(2, 2, 97, 64, device="cuda", dtype=torch.float16) for _ in range(2))
     attention = lambda q, k, v: flash_attention(q, k, v, causal=True)  # noqa: E731
-    compiled = outputs(torch.compile(attention, fullgraph=True), q, k, v, do)
-    exact = outputs(lambda q, k, v: reference.attention(q, k, v, causal=True), *(t.double() for t in (q, k, v, do)))
-    for name, x, r in zip(["O", "dQ", "dK", "dV"], compiled, exact):
-        assert x.shape == r.shape, f"{name}: shape {tuple(x.shape)}, expected {tuple(r.shape)}"
-        assert rel_err(x, r) < TOLERANCE["float16"], f"{name}: relative error {rel_err(x, r):.1e}"
+    same_as_eager(outputs(torch.compile(attention, fullgraph=True), q, k, v, do), outputs(attention, q, k, v, do))
+    test_kernels.check("auto", q, k, v, do, causal=True)  # (and eager is right)
+
+
+def same_as_eager(compiled, eager):
+    """Compiled, the same kernels run on the same inputs: the same O, dK and dV, and dQ but for the order of its
+    atomic sums."""
+    for name, x, e in zip(["O", "dQ", "dK", "dV"], compiled, eager):
+        assert x.shape == e.shape and x.stride() == e.stride(), f"{name}: shape {tuple(x.shape)}, strides {x.stride()}"
+        assert rel_err(x, e.double()) < (1e-3 if name == "dQ" else 1e-6), f"{name}: compiled differs from eager"
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_torch_compile_where_the_kernels_read_a_padded_copied_or_grouped_tensor(layout):
     """The layouts of test_validation.LAYOUTS, compiled with fullgraph=True: Inductor asserts that every output has
-    the strides the fake implementation gave it (the real kernels this time), and the values match float64."""
+    the strides the fake implementation gave it (the real kernels this time), and the values match eager's."""
     torch.manual_seed(8)
     torch._dynamo.reset()
     d, H_q, H_kv, q_transposed, kv_transposed, deterministic, d_strided = LAYOUTS[layout]
     q, k, v = layout_problem(d, H_q, H_kv, q_transposed, kv_transposed, d_strided, device="cuda")
     do = torch.randn(q.shape, device="cuda", dtype=q.dtype)
     attention = lambda q, k, v: flash_attention(q, k, v, causal=True, deterministic=deterministic)  # noqa: E731
-    compiled = outputs(torch.compile(attention, fullgraph=True), q, k, v, do)
-    exact = outputs(lambda q, k, v: reference.attention(q, k, v, causal=True), *(t.double() for t in (q, k, v, do)))
-    for name, x, r in zip(["O", "dQ", "dK", "dV"], compiled, exact):
-        assert rel_err(x, r) < TOLERANCE["bfloat16"], f"{name}: relative error {rel_err(x, r):.1e}"
+    same_as_eager(outputs(torch.compile(attention, fullgraph=True), q, k, v, do), outputs(attention, q, k, v, do))

@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 
 import reference
-from main import TOLERANCE, flash_attention, flash_attention_varlen, list_kernels, outputs, rel_err
+from main import flash_attention, flash_attention_varlen, list_kernels, outputs, rel_err
 from test_kernels import DTYPES, FLOOR
 from test_masks import sdpa, slopes
 
@@ -162,9 +162,10 @@ def test_padded_batch(kernel, dtype, causal):
     cu = torch.tensor([0, *lengths], device="cuda").cumsum(0).to(torch.int32)
     ours = outputs(lambda q, k, v: flash_attention_varlen(q, k, v, cu, cu, N, N, causal, kernel=kernel),
                    pack(q), pack(k), pack(v), pack(do))
-    for name, o, r in zip(["O", "dQ", "dK", "dV"], ours, ref):
-        err = rel_err(o, pack(r))
-        assert err <= TOLERANCE[dtype], f"{name} on the real tokens: relative error {err:.2e}"
+    theirs = outputs(padded, q, k, v, do)  # SDPA in the dtype, its error the yardstick
+    for name, o, s, r in zip(["O", "dQ", "dK", "dV"], ours, theirs, ref):
+        err, err_sdpa = rel_err(o, pack(r)), rel_err(pack(s), pack(r))
+        assert err <= 3 * err_sdpa + FLOOR[dt], f"{name} on the real tokens: error {err:.2e}, SDPA's {err_sdpa:.2e}"
     unmasked = outputs(lambda q, k, v: padded(q, k, v, mask=None), q.double(), k.double(), v.double(), do.double())
     assert rel_err(pack(unmasked[0]), pack(ref[0])) > 0.05, "padding without a mask should change the outputs"
 
@@ -176,8 +177,9 @@ def test_varlen_compiles():
     k, v = torch.randn_like(q), torch.randn_like(q)
     f = torch.compile(lambda q, k, v: flash_attention_varlen(q, k, v, cu, cu, 90, 90, causal=True, kernel=kernel),
                       fullgraph=True)
-    q, k, v = (t.requires_grad_() for t in (q, k, v))
-    o = f(q, k, v)
-    o.sum().backward()
-    expected = flash_attention_varlen(q.detach(), k.detach(), v.detach(), cu, cu, 90, 90, causal=True, kernel=kernel)
-    assert torch.allclose(o, expected) and q.grad is not None and torch.isfinite(q.grad).all()
+    do = torch.randn_like(q)
+    compiled = outputs(f, q, k, v, do)
+    eager = outputs(lambda q, k, v: flash_attention_varlen(q, k, v, cu, cu, 90, 90, causal=True, kernel=kernel),
+                    q, k, v, do)
+    for name, x, e in zip(["O", "dQ", "dK", "dV"], compiled, eager):  # (dQ: atomics, summed in any order)
+        assert rel_err(x, e.double()) < (1e-3 if name == "dQ" else 1e-6), f"{name}: compiled differs from eager"
