@@ -57,7 +57,7 @@ backend refused, or a kernel has no backward for the dtype), MISMATCH (not timed
 is MISMATCH or ERROR, 1 without a GPU. --out (default bench_results/) gets results.json or decode.json (a table:
 pandas.DataFrame(json.load(f)["rows"])) and the figures; --plot-from draws the figures beside its file.
 """
-import argparse, contextlib, datetime, gc, itertools, json  # noqa: E401
+import argparse, contextlib, datetime, functools, gc, itertools, json  # noqa: E401
 import math, os, re, shlex, statistics, sys, time, warnings  # noqa: E401
 from collections import Counter
 from pathlib import Path
@@ -300,25 +300,22 @@ def attention_fn(system, causal, scale, window=(-1, -1), dropout=0.0, determinis
     """f(q, k, v) -> output for one system. A window goes to SDPA as a boolean N x N attn_mask; dropout to manual
     attention as torch's dropout of P. The masks are made on the first call (the check), outside the timed ones,
     as a model keeps its mask in a buffer (nanoGPT's causal `bias`)."""
-    masks = {}
-
-    def hidden(q, k):  # (N_q, N_k): True where a query does not see a key (bottom right, as flash_attention)
-        N_q, N_k = q.shape[2], k.shape[2]
-        if "hidden" not in masks:
-            masks["hidden"] = reference._hidden(0, N_q, 0, N_k, q.device, N_k - N_q, reference._window(causal, window))
-        return masks["hidden"]
+    @functools.cache
+    def visible(N_q, N_k, device):  # (N_q, N_k): True where a query sees a key (bottom right, as flash_attention)
+        return ~reference._hidden(0, N_q, 0, N_k, device, N_k - N_q, reference._window(causal, window))
     masked = causal or window != (-1, -1)
     if system == "manual":  # nanoGPT's attention without flash: S, mask, softmax, dropout, P V
         def manual(q, k, v):
             if k.shape[1] < q.shape[1]:  # grouped-query attention (decoding): each key/value head per query head
                 k, v = (t.repeat_interleave(q.shape[1] // t.shape[1], dim=1) for t in (k, v))
-            S = q @ k.transpose(-1, -2) * (q.shape[-1] ** -0.5 if scale is None else scale)
-            P = torch.softmax(S.masked_fill(hidden(q, k), -math.inf) if masked else S, dim=-1)
+            S = q @ k.transpose(-1, -2) * (q.shape[-1] ** -0.5 if scale is None else scale)  # (None: 1/sqrt(d))
+            P = torch.softmax(torch.where(visible(*S.shape[-2:], S.device), S, -math.inf) if masked else S, dim=-1)
             return (torch.nn.functional.dropout(P, dropout) if dropout else P) @ v
         return manual
     if system in SDPA and window != (-1, -1):
         def sdpa_windowed(q, k, v):
-            return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=~hidden(q, k), scale=scale,
+            mask = visible(q.shape[2], k.shape[2], q.device)
+            return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale,
                                                                     dropout_p=dropout)
         return sdpa_windowed
     if system in EIGHT_BIT:

@@ -148,9 +148,7 @@ def load(kernel, d=64, packed=False, dropout=False, deterministic=False):
     reuse the build. packed: the build for packed batches (flash_attention_varlen; -DPACKED=1). dropout: the
     build with dropout (-DDROPOUT=1; the others are left as they were, so that dropout_p = 0 costs nothing).
     deterministic: the build whose backward computes dQ without atomics (-DDETERMINISTIC=1)."""
-    limit = os.environ.get("FLASH_SMEM_LIMIT")  # (read by flash.cu's launchers at every call: checked here)
-    if limit is not None and not (limit.isascii() and limit.isdigit() and int(limit) > 0):
-        raise ValueError(f"FLASH_SMEM_LIMIT must be a number of bytes, such as {99 * 1024}; got {limit!r}")
+    _smem_limit()  # (flash.cu's launchers read it at every call, and take a malformed one for none)
     key = kernel, d, packed, dropout, deterministic
     if key in _extensions:
         return _extensions[key]
@@ -189,6 +187,15 @@ def load(kernel, d=64, packed=False, dropout=False, deterministic=False):
                            f"-DBUILD_{kernel}", f"-DHEAD_DIM={d}", f"-DPACKED={int(packed)}",
                            f"-DDROPOUT={int(dropout)}", f"-DDETERMINISTIC={int(deterministic)}", *gencode])
     return _extensions[key]
+
+
+def _smem_limit():
+    """FLASH_SMEM_LIMIT, the shared memory in bytes that the launchers choose tiles for (below the GPU's own), or
+    None."""
+    limit = os.environ.get("FLASH_SMEM_LIMIT")
+    if limit is not None and not (limit.isascii() and limit.isdigit() and int(limit) > 0):
+        raise ValueError(f"FLASH_SMEM_LIMIT must be a number of bytes, such as {99 * 1024}; got {limit!r}")
+    return None if limit is None else int(limit)
 
 
 def build(kernels, head_dims=(64,), packed_head_dims=(), variants=()):
@@ -592,9 +599,8 @@ def _decoding_fits(kernel, q):
     Where they do not fit, each sequence is decoded by the forward kernel, on a view of its valid rows."""
     if kernel != "ampere":
         return True
-    limit = getattr(torch.cuda.get_device_properties(q.device), "shared_memory_per_block_optin", None) or math.inf
-    lowered = os.environ.get("FLASH_SMEM_LIMIT", "")  # (one that is no number: load refuses it)
-    limit = min(limit, int(lowered)) if lowered.isascii() and lowered.isdigit() else limit
+    limit = min(getattr(torch.cuda.get_device_properties(q.device), "shared_memory_per_block_optin", None) or math.inf,
+                _smem_limit() or math.inf)
     return (16 + 4 * 64) * (tile_dim(kernel, q.shape[-1]) + 8) * q.element_size() <= limit
 
 
