@@ -185,8 +185,20 @@ def load(kernel, d=64, packed=False, dropout=False, deterministic=False):
         extra_cuda_cflags=["-O3", "-std=c++20", "-lineinfo", "-diag-suppress=3189,20013,20015",
                            "--split-compile=0",  # optimise the kernels of one file on all cores
                            f"-DBUILD_{kernel}", f"-DHEAD_DIM={d}", f"-DPACKED={int(packed)}",
-                           f"-DDROPOUT={int(dropout)}", f"-DDETERMINISTIC={int(deterministic)}", *gencode])
+                           f"-DDROPOUT={int(dropout)}", f"-DDETERMINISTIC={int(deterministic)}", *gencode],
+        extra_ldflags=_cxx_runtime())
     return _extensions[key]
+
+
+def _cxx_runtime():
+    """The libstdc++ this process runs (torch's), as a link input, so that each extension uses that one.
+    A compiler whose own libstdc++ is a static library (one built into /opt, say) would otherwise copy it
+    into the extension: two C++ runtimes in one process, whose locale tables disagree, so that an error
+    message with a number in it (TORCH_CHECK streams it) crashes the process where it should raise."""
+    if not os.path.exists("/proc/self/maps"):  # (not Linux: no libstdc++ to share)
+        return []
+    with open("/proc/self/maps") as maps:
+        return sorted({line.split()[-1] for line in maps if "/libstdc++.so" in line})[:1]
 
 
 def _smem_limit():

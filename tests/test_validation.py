@@ -3,6 +3,8 @@ import contextlib
 import inspect
 import pathlib
 import re
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -156,6 +158,27 @@ def test_bad_inputs_on_gpu():
         flash_attention(q, k, v.cpu()) if torch.cuda.device_count() < 2 else flash_attention(q, k, v.to("cuda:1"))
     with pytest.raises(ValueError, match="B and H must each be at most 65535, got B = 65536"):
         flash_attention(*qkv((65536, 1, 1, 16), device="cuda"))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or main._arch() < 80, reason="needs a CUDA GPU, sm_80 or newer")
+def test_an_error_raised_inside_an_extension_reaches_python():
+    """flash.cu's own checks (TORCH_CHECK) guard what main.py has validated already. Called directly, one must
+    still raise RuntimeError, with the number in its message: an extension that carried a second C++ runtime
+    crashed the process there (main._cxx_runtime). In a child process, so that a crash fails this test alone."""
+    code = """import sys, torch
+sys.path.insert(0, '.')
+import main
+q = torch.randn(1, 2, 17, 64, device='cuda', dtype=torch.float16)
+lengths = torch.tensor([17], device='cuda', dtype=torch.int32)
+try:
+    main.load('ampere', 64).forward(q, q, q, -1, -1, 0.125, 0.0, None, lengths, None, None, 0, 0, 0.0, None,
+                                    main._stream(q))
+except RuntimeError as e:
+    print(e)
+"""
+    run = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=900)
+    assert run.returncode == 0, f"the process ended with {run.returncode}:\n{run.stderr[-3000:]}"
+    assert "takes seqlens_k only for decoding (N_q <= 16)" in run.stdout, run.stdout
 
 
 def test_kernel_table_is_read_from_flash_cu():
