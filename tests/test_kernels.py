@@ -4,6 +4,10 @@ Tolerance: a kernel's relative error against float64 may be at most 3x the error
 scaled_dot_product_attention in the same dtype on the same inputs (plus a small floor for near-exact
 cases). Skipped, visibly, without a CUDA GPU.
 """
+import json
+import os
+import tempfile
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -135,6 +139,42 @@ def test_tiles_for_99_kb_of_shared_memory(kernel, dtype, d, monkeypatch):
         q, do = (torch.randn(2, H_q, N_q, d, device="cuda", dtype=DTYPES[dtype]) for _ in range(2))
         k, v = (torch.randn(2, H_kv, N_k, d, device="cuda", dtype=DTYPES[dtype]) for _ in range(2))
         check(kernel, q, k, v, do, causal)
+
+
+def shared_memory_of_launches(fn):
+    """(name, shared memory a block in bytes) of each CUDA kernel fn() launches, from torch.profiler's trace."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as profile:
+        fn()
+        torch.cuda.synchronize()
+    with tempfile.TemporaryDirectory() as folder:
+        profile.export_chrome_trace(os.path.join(folder, "trace.json"))
+        with open(os.path.join(folder, "trace.json")) as trace:
+            events = json.load(trace)["traceEvents"]
+    return [(e["name"], e["args"]["shared memory"]) for e in events if e.get("cat") == "kernel"]
+
+
+@pytest.mark.skipif(("ampere", "float16", 128) not in CASES or
+                    torch.cuda.get_device_properties(0).shared_memory_per_block_optin < 160 * 1024,
+                    reason="needs the ampere kernel at d = 128 on a GPU that gives a block 160 KB or more")
+def test_a_smem_limit_makes_the_launchers_take_smaller_tiles(monkeypatch):
+    """Results alone do not show that test_tiles_for_99_kb_of_shared_memory ran the smaller tiles. At d = 128 the
+    ampere forward's tiles take 102 KB and the backward's 155 KB, more than the 99 KB of sm_86 and sm_89: under
+    FLASH_SMEM_LIMIT every kernel launched fits in 99 KB, and without it both take more."""
+    q, k, v, do = (torch.randn(1, 2, 300, 128, device="cuda", dtype=torch.float16) for _ in range(4))
+    q.requires_grad_(True)
+
+    def step():
+        flash_attention(q, k, v, kernel="ampere").backward(do)
+
+    def of(launches, part):  # the shared memory of each launch of flash_fwd_ampere or flash_bwd_ampere
+        return [size for name, size in launches if f"flash_{part}_ampere<" in name]
+    limit = 99 * 1024
+    unlimited = shared_memory_of_launches(step)
+    assert min(of(unlimited, "fwd")) > limit and min(of(unlimited, "bwd")) > limit, unlimited
+    monkeypatch.setenv("FLASH_SMEM_LIMIT", str(limit))
+    limited = shared_memory_of_launches(step)
+    assert of(limited, "fwd") and of(limited, "bwd"), limited
+    assert all(size <= limit for _, size in limited), limited
 
 
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
