@@ -4,7 +4,9 @@ import math
 import pytest
 import torch
 
+import main
 import reference
+import test_kernels  # (tests/ is on sys.path under pytest)
 
 
 def random_problem(N, d, seed):
@@ -198,3 +200,21 @@ def test_masks_and_score_modifications_follow_their_definitions(N_q, N_k, causal
         for name, x, ref in [("O, dense", O_dense, O_def), ("O", O, O_def), ("L", L, L_def),
                              *zip(["dQ", "dK", "dV"], grads, grads_def)]:
             torch.testing.assert_close(x, ref, rtol=1e-10, atol=1e-10, msg=lambda m: f"{name} ({where}): {m}")
+
+
+def test_the_gpu_tests_catch_a_wrong_last_tile():
+    """test_kernels.within_sdpa_error, the GPU tests' check, on a made-up result: float64's O rounded to fp16, whose
+    last 64 of 4096 causal rows each see one key too many (a mask's mistake at a tile's edge). Its whole tensor errs
+    6.7e-4 where SDPA's fp16 result errs 2.6e-4: under the bound of 3x. Its last 64 rows err 1.3e-2, 46x SDPA's
+    there. On the CPU, with SDPA's CPU fp16 result as the yardstick."""
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(1, 2, 4096, 64, dtype=torch.float16) for _ in range(3))
+    exact = reference.attention(q.double(), k.double(), v.double(), causal=True)
+    one_too_many = reference.attention(q.double(), k.double(), v.double(), causal=False, window_size=(-1, 1))
+    wrong = torch.cat([exact[..., :-64, :], one_too_many[..., -64:, :]], dim=2).half()
+    theirs = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+    test_kernels.within_sdpa_error("O", exact.half(), theirs, exact, "right")
+    whole = main.rel_err(wrong, exact) <= 3 * main.rel_err(theirs, exact) + test_kernels.FLOOR[torch.float16]
+    assert whole, "the whole tensor's error alone already catches this case: choose a subtler one"
+    with pytest.raises(AssertionError, match="O, last 64 rows: relative error"):
+        test_kernels.within_sdpa_error("O", wrong, theirs, exact, "one key too many")
