@@ -156,8 +156,9 @@ def test_tiles_for_99_kb_of_shared_memory(kernel, dtype, d, monkeypatch):
         check(kernel, q, k, v, do, causal)
 
 
-def shared_memory_of_launches(fn):
-    """(name, shared memory a block in bytes) of each CUDA kernel fn() launches, from torch.profiler's trace."""
+def launches(fn):
+    """(name, shared memory a block in bytes) of each CUDA kernel fn() launches, from torch.profiler's trace. The
+    name as the profiler gives it: "void flash_decode<...>(...)"."""
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as profile:
         fn()
         torch.cuda.synchronize()
@@ -184,10 +185,10 @@ def test_a_smem_limit_makes_the_launchers_take_smaller_tiles(monkeypatch):
     def of(launches, part):  # the shared memory of each launch of flash_fwd_ampere or flash_bwd_ampere
         return [size for name, size in launches if f"flash_{part}_ampere<" in name]
     limit = 99 * 1024
-    unlimited = shared_memory_of_launches(step)
+    unlimited = launches(step)
     assert min(of(unlimited, "fwd")) > limit and min(of(unlimited, "bwd")) > limit, unlimited
     monkeypatch.setenv("FLASH_SMEM_LIMIT", str(limit))
-    limited = shared_memory_of_launches(step)
+    limited = launches(step)
     assert of(limited, "fwd") and of(limited, "bwd"), limited
     assert all(size <= limit for _, size in limited), limited
 
