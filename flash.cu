@@ -3862,6 +3862,21 @@ template <typename T, int d> constexpr auto bwd_dq = bwd_dq_ampere<T, d>;
 
 // Decoding, for the kernels with split_kv in KERNELS: flash_decode (ampere) or flash_decode_hopper on every
 // query tile and split (the splits merge in the kernel). Declared for all kernels: forward() names it.
+// The Ampere kernel's shared memory at `stages` stages: the 16 query rows and K_j, V_j per stage, rows padded to d + 8
+template <typename T, int d>
+constexpr size_t decode_ampere_smem(int stages) {
+  return sizeof(T) * (16 + 2 * stages * DecodeBlock<T, d, DECODE_AMPERE_WARPS>::B_c) * (d + 8);
+}
+// Whether decode takes cache lengths (seqlens_k) here: not where the Ampere kernel's two stages exceed a block's
+// shared memory (d >= 192 on sm_86 and sm_89), as decode then runs fwd, which takes none.
+template <typename T, int d>
+bool decode_takes_lengths() {
+#if defined(BUILD_hopper)
+  return true;
+#else
+  return decode_ampere_smem<T, d>(2) <= max_smem_per_block();
+#endif
+}
 template <typename T, int d, int STAGES = 4>
 void decode(const at::Tensor& Q, const at::Tensor& K, const at::Tensor& V, at::Tensor& O, at::Tensor& L,
             const int* seqlens_k, const Scores& sc, cudaStream_t stream)
@@ -3894,11 +3909,11 @@ void decode(const at::Tensor& Q, const at::Tensor& K, const at::Tensor& V, at::T
   const auto K_arg = tensor_map(K, B_c, promotion, decode_whole_rows(d)),
              V_arg = tensor_map(V, B_c, promotion, decode_whole_rows(d));
 #else
-  const size_t smem = sizeof(T) * (16 + 2 * STAGES * B_c) * (d + 8);  // 140.25 KB at d = 128
+  const size_t smem = decode_ampere_smem<T, d>(STAGES);  // 140.25 KB at d = 128
   if constexpr (STAGES > 2)
     if (smem > max_smem_per_block()) return decode<T, d, STAGES - 1>(Q, K, V, O, L, seqlens_k, sc, stream);
   // Not even two stages fit (d >= 192 on sm_86 and sm_89, 99 KB a block): the forward kernel, unsplit, fits
-  // there. It takes no cache lengths: main.py's _decoding_fits sends a KV cache there one sequence at a time.
+  // there. It takes no cache lengths (decode_takes_lengths): main.py decodes a KV cache one sequence at a time.
   if constexpr (STAGES == 2)
     if (smem > max_smem_per_block() && !seqlens_k) return fwd<T, d>(Q, K, V, O, L, sc, stream);
   const auto kernel = flash_decode<T, d, STAGES>;
@@ -4029,6 +4044,16 @@ std::vector<at::Tensor> forward(const at::Tensor& Q, const at::Tensor& K, const 
   return {O, L};
 }
 
+// Whether forward takes seqlens_k for Q's dtype and head dim (Q may be empty); main.py asks before it passes a KV
+// cache's lengths, and where not, decodes the cache one sequence at a time, on views of their valid rows.
+bool decoding_takes_lengths(const at::Tensor& Q) {
+  bool takes = false;
+  with_type_and_head_dim(Q, [&]<typename T, int d>() {
+    if constexpr (SPEC.split_kv) takes = decode_takes_lengths<T, d>();
+  });
+  return takes;
+}
+
 #ifdef HAS_BACKWARD
 // dQ (B, H_q, N_q, d) fp32, contiguous: atomics (hopper: TMA reductions up to d = 192) add into it, and main.py
 // converts it to Q's dtype (in a DETERMINISTIC build: in Q's dtype, from bwd_dq, with no atomics and no fp32 copy). dK,
@@ -4067,6 +4092,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("forward", &forward,
         "O, L = forward(Q, K, V, window_left, window_right, scale, softcap, alibi_slopes, seqlens_k, cu_q, cu_k, "
         "max_q, max_k, dropout_p, dropout_key, stream)");
+  m.def("decoding_takes_lengths", &decoding_takes_lengths, "whether forward takes seqlens_k for Q's dtype and d");
 #ifdef HAS_BACKWARD  // (volta and turing: their gradients come from the fp32 kernel, on upcast inputs)
   m.def("backward", &backward, "dQ, dK, dV = backward(Q, K, V, O, L, dO, dL, window_left, window_right, scale, "
         "softcap, alibi_slopes, cu_q, cu_k, max_q, max_k, dropout_p, dropout_key, stream)");

@@ -593,7 +593,7 @@ def flash_attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, k=None, v=N
         batch = torch.arange(B, device=q.device)[:, None]
         k_cache[batch, :, positions] = k.transpose(1, 2)  # indexed as (B, N_new, H_kv, d)
         v_cache[batch, :, positions] = v.transpose(1, 2)
-    if KERNELS[kernel]["split_kv"] and q.shape[2] <= SPLIT_KV_MAX_QUERIES and _decoding_fits(kernel, q):
+    if KERNELS[kernel]["split_kv"] and q.shape[2] <= SPLIT_KV_MAX_QUERIES and _decoding_takes_lengths(kernel, q):
         o, L = _run_forward(q, k_cache, v_cache, window, scale, softcap, alibi_slopes, kernel, seqlens + N_new)
     else:
         per_batch = alibi_slopes is not None and alibi_slopes.dim() == 2  # (B, H_q): sequence b's row
@@ -604,16 +604,14 @@ def flash_attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, k=None, v=N
     return (o, L) if return_lse else o
 
 
-def _decoding_fits(kernel, q):
-    """Whether kernel's split-KV decoding, which reads the cache lengths, fits this GPU. The ampere kernel needs
-    two stages of K_j, V_j, (16 + 4 B_c) (D + 8) elements with B_c = 64 and D its tile width (flash.cu's decode):
-    at D >= 192 more than the 99 KB sm_86 and sm_89 give a block (FLASH_SMEM_LIMIT lowers the limit as there).
-    Where they do not fit, each sequence is decoded by the forward kernel, on a view of its valid rows."""
-    if kernel != "ampere":
-        return True
-    limit = min(getattr(torch.cuda.get_device_properties(q.device), "shared_memory_per_block_optin", None) or math.inf,
-                _smem_limit() or math.inf)
-    return (16 + 4 * 64) * (tile_dim(kernel, q.shape[-1]) + 8) * q.element_size() <= limit
+def _decoding_takes_lengths(kernel, q):
+    """Whether kernel's split-KV decoding takes the cache lengths for q's dtype and head dim on this GPU (flash.cu's
+    decode_takes_lengths: not where the ampere kernel's two stages exceed a block's shared memory, d >= 192 on sm_86
+    and sm_89, or under FLASH_SMEM_LIMIT). Where not, each sequence is decoded by the forward kernel, on a view of
+    its valid rows."""
+    D = tile_dim(kernel, q.shape[-1])
+    with _on_device(q):
+        return load(kernel, D).decoding_takes_lengths(q.new_empty(0, 0, 0, D))
 
 
 # ---------------------------------------------------------------------------------------------------------
