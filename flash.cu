@@ -3902,7 +3902,8 @@ void decode(const at::Tensor& Q, const at::Tensor& K, const at::Tensor& V, at::T
   // L2 promotion to 128 bytes, not the 256 of the other kernels' maps: with promotion to 256 bytes decoding
   // streams the cache 7-8% slower (on an H200 at B = 8, H_kv = 32, N_k = 32768: 1017 us against 943; SDPA's
   // default 934), with a copy per 64-column panel and with one copy of whole rows alike (there 3-7%), so not
-  // because two copies fetched one row's halves. Why, these timings do not show (notebook 09, section 7).
+  // because two copies fetched one row's halves; and a kernel that only copies the cache with these maps, no
+  // warps reading it, streams 6% slower too. Why, these timings do not show (notebook 09, section 7).
   // (The other kernels, whose tiles are mostly read from L2, ran the same with 128: on an H200 the hopper forward
   // and backward and the fp8 forward at d = 64 and 128 took 0.997-1.003x their time on average.)
   constexpr auto promotion = CU_TENSOR_MAP_L2_PROMOTION_L2_128B;
