@@ -3867,16 +3867,6 @@ template <typename T, int d>
 constexpr size_t decode_ampere_smem(int stages) {
   return sizeof(T) * (16 + 2 * stages * DecodeBlock<T, d, DECODE_AMPERE_WARPS>::B_c) * (d + 8);
 }
-// Whether decode takes cache lengths (seqlens_k) here: not where the Ampere kernel's two stages exceed a block's
-// shared memory (d >= 192 on sm_86 and sm_89), as decode then runs fwd, which takes none.
-template <typename T, int d>
-bool decode_takes_lengths() {
-#if defined(BUILD_hopper)
-  return true;
-#else
-  return decode_ampere_smem<T, d>(2) <= max_smem_per_block();
-#endif
-}
 template <typename T, int d, int STAGES = 4>
 void decode(const at::Tensor& Q, const at::Tensor& K, const at::Tensor& V, at::Tensor& O, at::Tensor& L,
             const int* seqlens_k, const Scores& sc, cudaStream_t stream)
@@ -3914,7 +3904,7 @@ void decode(const at::Tensor& Q, const at::Tensor& K, const at::Tensor& V, at::T
   if constexpr (STAGES > 2)
     if (smem > max_smem_per_block()) return decode<T, d, STAGES - 1>(Q, K, V, O, L, seqlens_k, sc, stream);
   // Not even two stages fit (d >= 192 on sm_86 and sm_89, 99 KB a block): the forward kernel, unsplit, fits
-  // there. It takes no cache lengths (decode_takes_lengths): main.py decodes a KV cache one sequence at a time.
+  // there. It takes no cache lengths (decoding_takes_lengths): main.py decodes a KV cache one sequence at a time.
   if constexpr (STAGES == 2)
     if (smem > max_smem_per_block() && !seqlens_k) return fwd<T, d>(Q, K, V, O, L, sc, stream);
   const auto kernel = flash_decode<T, d, STAGES>;
@@ -4045,13 +4035,15 @@ std::vector<at::Tensor> forward(const at::Tensor& Q, const at::Tensor& K, const 
   return {O, L};
 }
 
-// Whether forward takes seqlens_k for Q's dtype and head dim (Q may be empty); main.py asks before it passes a KV
-// cache's lengths, and where not, decodes the cache one sequence at a time, on views of their valid rows.
+// Whether forward takes seqlens_k for Q's dtype and head dim (Q may be empty): the kernels with split_kv do, but
+// for the Ampere one where its two stages exceed a block's shared memory (d >= 192 on sm_86 and sm_89), as decode
+// then runs fwd, which takes none. main.py asks before it passes a KV cache's lengths, and where not, decodes the
+// cache one sequence at a time, on views of their valid rows.
 bool decoding_takes_lengths(const at::Tensor& Q) {
-  bool takes = false;
-  with_type_and_head_dim(Q, [&]<typename T, int d>() {
-    if constexpr (SPEC.split_kv) takes = decode_takes_lengths<T, d>();
-  });
+  bool takes = SPEC.split_kv;
+#if defined(BUILD_ampere)
+  with_type_and_head_dim(Q, [&]<typename T, int d>() { takes = decode_ampere_smem<T, d>(2) <= max_smem_per_block(); });
+#endif
   return takes;
 }
 

@@ -606,7 +606,7 @@ def flash_attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, k=None, v=N
 
 def _decoding_takes_lengths(kernel, q):
     """Whether kernel's split-KV decoding takes the cache lengths for q's dtype and head dim on this GPU (flash.cu's
-    decode_takes_lengths: not where the ampere kernel's two stages exceed a block's shared memory, d >= 192 on sm_86
+    decoding_takes_lengths: not where the ampere kernel's two stages exceed a block's shared memory, d >= 192 on sm_86
     and sm_89, or under FLASH_SMEM_LIMIT). Where not, each sequence is decoded by the forward kernel, on a view of
     its valid rows."""
     D = tile_dim(kernel, q.shape[-1])
