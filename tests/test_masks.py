@@ -11,11 +11,10 @@ import math
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 import reference
 from main import flash_attention, flash_attention_with_kvcache, list_kernels, outputs, rel_err
-from test_kernels import DTYPES, within_sdpa_error
+from test_kernels import DTYPES, fused_sdpa, within_sdpa_error
 from test_shapes import check_L
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -36,7 +35,7 @@ def sdpa(causal, scale, scores):
     def attention(q, k, v):
         k, v = (x.repeat_interleave(q.shape[1] // k.shape[1], dim=1) for x in (k, v))
         mask = bias(q, k, causal, **scores).to(q.dtype)
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale).nan_to_num(0.0)
+        return fused_sdpa(q, k, v, scale, attn_mask=mask).nan_to_num(0.0)
     return attention
 
 
