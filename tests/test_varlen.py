@@ -12,7 +12,7 @@ import torch.nn.functional as F
 
 import reference
 from main import flash_attention, flash_attention_varlen, list_kernels, outputs, rel_err
-from test_kernels import DTYPES, FLOOR
+from test_kernels import DTYPES, FLOOR, rounded_O_gradients
 from test_masks import sdpa, slopes
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -39,6 +39,21 @@ def per_sequence(attention, cu_q, cu_k):
     return run
 
 
+def rounded_O_per_sequence(q, k, v, do, cu_q, cu_k, causal, scale, slopes_of, **scores):
+    """test_kernels.rounded_O_gradients on each sequence of a packed batch, packed back: O, dQ (total_q, H_q, d),
+    dK, dV (total_k, H_kv, d); zeros for a sequence without queries or keys. slopes_of(b): sequence b's ALiBi."""
+    found = [torch.zeros_like(t, dtype=torch.float64) for t in (q, q, k, v)]
+    for b in range(len(cu_q) - 1):
+        s, e, sk, ek = int(cu_q[b]), int(cu_q[b + 1]), int(cu_k[b]), int(cu_k[b + 1])
+        if e == s or ek == sk:
+            continue
+        views = [X[a:z].transpose(0, 1)[None] for X, a, z in ((q, s, e), (k, sk, ek), (v, sk, ek), (do, s, e))]
+        parts = rounded_O_gradients(*views, q.dtype, causal, scale, **{**scores, "alibi_slopes": slopes_of(b)})
+        for X, part, (a, z) in zip(found, parts, ((s, e), (s, e), (sk, ek), (sk, ek))):
+            X[a:z] = part[0].transpose(0, 1)
+    return found
+
+
 def check(kernel, lengths_q, lengths_k, H_q, H_kv, d, dtype, causal, scale=None, **scores):
     torch.manual_seed(sum(lengths_q) + 7 * sum(lengths_k))
     q, cu_q = packed(lengths_q, H_q, d, dtype)
@@ -57,15 +72,18 @@ def check(kernel, lengths_q, lengths_k, H_q, H_kv, d, dtype, causal, scale=None,
         q.double(), k.double(), v.double(), do.double())
     theirs = outputs(per_sequence(lambda q, k, v, b: sdpa(causal, scale, {**no_cap, "alibi_slopes": slopes_of(b)})(
         q, k, v), cu_q, cu_k), q, k, v, do)
+    rounded = ref if not scores.get("softcap") else rounded_O_per_sequence(q, k, v, do, cu_q, cu_k, causal, scale,
+                                                                             slopes_of, **scores)
     where = f"kernel={kernel}, {dtype}, lengths q {lengths_q}, k {lengths_k}, H {H_q}/{H_kv}, causal={causal}, {scores}"
-    for name, x, s, r, rs in zip(["O", "dQ", "dK", "dV"], ours, theirs, ref, ref_sdpa):
+    for name, x, s, r, rs, rr in zip(["O", "dQ", "dK", "dV"], ours, theirs, ref, ref_sdpa, rounded):
         assert x.shape == r.shape, f"{name}: shape {tuple(x.shape)}, expected {tuple(r.shape)} ({where})"
         assert torch.isfinite(x).all(), f"{name} has non-finite values ({where})"
         if not r.any():
             assert x.abs().max() <= FLOOR[q.dtype] * d, f"{name}: not 0 where float64 gives 0 ({where})"
             continue
-        err, err_sdpa = rel_err(x, r), rel_err(s, rs)
-        assert err <= 3 * err_sdpa + FLOOR[q.dtype], f"{name}: relative error {err:.2e} vs SDPA's {err_sdpa:.2e} ({where})"
+        err, err_sdpa, err_rounded = rel_err(x, r), rel_err(s, rs), rel_err(rr, r)
+        assert err <= 3 * max(err_sdpa, err_rounded) + FLOOR[q.dtype], \
+            f"{name}: relative error {err:.2e} vs SDPA's {err_sdpa:.2e} (with O rounded: {err_rounded:.2e}) ({where})"
     # L (H_q, total_q): each sequence's own log-sum-exp, -inf where a query sees no key
     _, L = flash_attention_varlen(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale, kernel=kernel, return_lse=True,
                                   **scores)
