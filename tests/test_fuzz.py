@@ -73,9 +73,11 @@ def draw_scores(rng, N_q, N_k, H_q, B, device):
 
 def draw_head_dim(rng, kernel, tiles=None):
     """Half the time one of the kernel's tile widths, else any d up to its widest (padded to the next tile width);
-    tiles: only head dims whose tile width is one of these."""
-    widest = max(AVAILABLE[kernel]["head_dims"])
-    dims = [d for d in range(8, widest + 1) if tiles is None or tile_dim(kernel, d) in tiles]
+    tiles: only head dims whose tile width is one of these, in the kernel and in its backward's (volta's and turing's
+    is fp32's, whose tiles differ)."""
+    widest, backward = max(AVAILABLE[kernel]["head_dims"]), AVAILABLE[kernel]["backward_kernel"]
+    dims = [d for d in range(8, widest + 1)
+            if tiles is None or {tile_dim(kernel, d), tile_dim(backward, d)} <= set(tiles)]
     widths = [d for d in AVAILABLE[kernel]["head_dims"] if d in dims]
     return rng.choice(widths) if rng.random() < 0.5 else rng.choice(dims)
 
