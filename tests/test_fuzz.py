@@ -27,7 +27,7 @@ import main
 import reference
 from main import flash_attention_8bit, flash_attention_with_kvcache, list_kernels, tile_dim
 from test_kernels import DTYPES, within_sdpa_error  # pytest puts tests/ on sys.path (rootdir conftest, no package)
-from test_shapes import check, exact_L
+from test_shapes import assert_L, check
 import test_8bit
 import test_masks
 import test_varlen
@@ -82,18 +82,36 @@ def draw_head_dim(rng, kernel, tiles=None):
     return rng.choice(widths) if rng.random() < 0.5 else rng.choice(dims)
 
 
-def report(failures, total, cases_to_rerun, test):
-    return (f"{len(failures)} of {total} random cases failed. Rerun them (with the cases before them):\n"
-            f"  FLASH_FUZZ_SEED={SEED} FLASH_FUZZ_CASES={cases_to_rerun} python -m pytest '{test}'\n"
+def run_cases(key, draw, factor=1):
+    """factor * FLASH_FUZZ_CASES random cases from a generator seeded by FLASH_FUZZ_SEED and key: draw(rng) draws one
+    and returns its description and a function that checks it, raising AssertionError (or RuntimeError: a failed
+    launch) where it fails. Every case runs, then every failing one is listed with what reruns it."""
+    rng = random.Random(f"{SEED}-{key}")
+    failures, last = [], 0
+    for index in range(factor * CASES):
+        description, check_case = draw(rng)
+        try:
+            check_case()
+        except (AssertionError, RuntimeError) as error:  # keep checking the rest
+            failures.append(f"case {index}: {description}: {error}")
+            last = index
+    if failures:
+        test = os.environ["PYTEST_CURRENT_TEST"].rsplit(" ", 1)[0]  # the test as pytest names it, " (call)" cut
+        raise AssertionError(
+            f"{len(failures)} of {factor * CASES} random cases failed. Rerun them (with the cases before them):\n"
+            f"  FLASH_FUZZ_SEED={SEED} FLASH_FUZZ_CASES={-(-(last + 1) // factor)} python -m pytest '{test}'\n"
             + "\n".join(failures))
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-@pytest.mark.parametrize("kernel, dtype", [(name, dtype) for name, k in AVAILABLE.items() for dtype in k["dtypes"]])
+gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+every_kernel = pytest.mark.parametrize("kernel, dtype", [(name, dtype) for name, k in AVAILABLE.items()
+                                                         for dtype in k["dtypes"]])
+
+
+@gpu
+@every_kernel
 def test_kernel_on_random_problems(kernel, dtype):
-    rng = random.Random(f"{SEED}-{kernel}-{dtype}")
-    failures, last = [], 0
-    for index in range(CASES):
+    def draw(rng):
         B, H_kv, group, N_q = rng.randint(1, 3), rng.randint(1, 3), rng.choice([1, 1, 2, 4]), draw_length(rng)
         N_k = N_q if rng.random() < 0.5 else draw_length(rng)
         d = draw_head_dim(rng, kernel)
@@ -103,30 +121,23 @@ def test_kernel_on_random_problems(kernel, dtype):
         q, do = (torch.randn(B, H_kv * group, N_q, d, device="cuda", dtype=DTYPES[dtype], generator=g) for _ in range(2))
         k, v = (torch.randn(B, H_kv, N_k, d, device="cuda", dtype=DTYPES[dtype], generator=g) for _ in range(2))
         scores = draw_scores(rng, N_q, N_k, H_kv * group, B, "cuda")
-        try:
-            if scores:
-                test_masks.check(kernel, q, k, v, do, causal, scale, **scores)
-            else:
-                check(kernel, q, k, v, do, causal, scale)
-        except (AssertionError, RuntimeError) as error:  # RuntimeError: a failed launch; keep checking the rest
-            failures.append(f"case {index}: kernel={kernel} dtype={dtype} q {tuple(q.shape)} k, v {tuple(k.shape)} "
-                            f"causal={causal} softmax_scale={scale} {scores} q, dO, k, v = torch.randn(..., "
-                            f"generator=torch.Generator('cuda').manual_seed({inputs_seed})): {error}")
-            last = index
-    test = f"tests/test_fuzz.py::test_kernel_on_random_problems[{kernel}-{dtype}]"
-    assert not failures, report(failures, CASES, last + 1, test)
+        description = (f"kernel={kernel} dtype={dtype} q {tuple(q.shape)} k, v {tuple(k.shape)} causal={causal} "
+                       f"softmax_scale={scale} {scores} q, dO, k, v = torch.randn(..., "
+                       f"generator=torch.Generator('cuda').manual_seed({inputs_seed}))")
+        if scores:
+            return description, lambda: test_masks.check(kernel, q, k, v, do, causal, scale, **scores)
+        return description, lambda: check(kernel, q, k, v, do, causal, scale)
+    run_cases(f"{kernel}-{dtype}", draw)
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-@pytest.mark.parametrize("kernel, dtype", [(name, dtype) for name, k in AVAILABLE.items() for dtype in k["dtypes"]])
+@gpu
+@every_kernel
 def test_kvcache_on_random_problems(kernel, dtype):
     """flash_attention_with_kvcache on random caches: each sequence's length from 0 to full, N_new new tokens
     appended (1 to 40, on both sides of SPLIT_KV_MAX_QUERIES, where decoding gives way to the forward) or queries
     alone, GQA, any head dim, causal or not, windows, softcap and ALiBi. Per sequence: the append lands at its
     length and nowhere else, O against float64 over its own keys (SDPA's error the yardstick), L and its -inf rows."""
-    rng = random.Random(f"{SEED}-kvcache-{kernel}-{dtype}")
-    failures, last = [], 0
-    for index in range(CASES):
+    def draw(rng):
         B, H_kv, group = rng.randint(1, 4), rng.randint(1, 3), rng.choice([1, 2, 4, 8])
         N_new = rng.choice([0, 1, 1, rng.randint(2, 16), rng.randint(17, 40)])
         N_q = N_new or rng.choice([1, rng.randint(2, 20)])
@@ -142,12 +153,13 @@ def test_kvcache_on_random_problems(kernel, dtype):
         make = lambda *shape: torch.randn(*shape, d, device="cuda", dtype=DTYPES[dtype], generator=g)  # noqa: E731
         q, k_cache, v_cache = make(B, H_kv * group, N_q), make(B, H_kv, N_max), make(B, H_kv, N_max)
         k, v = (make(B, H_kv, N_new), make(B, H_kv, N_new)) if N_new else (None, None)
-        before = k_cache.clone(), v_cache.clone()
         description = (f"kernel={kernel} dtype={dtype} q {tuple(q.shape)} caches {tuple(k_cache.shape)} N_new={N_new} "
                        f"cache_seqlens={lengths[0] if same else lengths} causal={causal} softmax_scale={scale} "
                        f"{scores} inputs seed {inputs_seed}")
-        seqlens = lengths[0] if same else torch.tensor(lengths, device="cuda")
-        try:
+
+        def check_case():
+            before = k_cache.clone(), v_cache.clone()
+            seqlens = lengths[0] if same else torch.tensor(lengths, device="cuda")
             o, L = flash_attention_with_kvcache(q, k_cache, v_cache, seqlens, k=k, v=v, causal=causal,
                                                 softmax_scale=scale, kernel=kernel, return_lse=True, **scores)
             for b, n in enumerate(lengths):
@@ -160,53 +172,40 @@ def test_kvcache_on_random_problems(kernel, dtype):
                 slopes = scores.get("alibi_slopes")  # (B, H_q): sequence b's row
                 seq = {**scores, "alibi_slopes": slopes[b]} if slopes is not None and slopes.dim() == 2 else scores
                 q_b, K_b, V_b = q[b:b + 1], k_cache[b:b + 1, :, :n + N_new], v_cache[b:b + 1, :, :n + N_new]
-                L_exact = exact_L(q_b, K_b, causal, scale, **seq)
-                assert torch.equal(L[b:b + 1].isinf(), L_exact.isinf()), f"sequence {b}: L is -inf in the wrong rows"
-                seen = L_exact.isfinite()
-                assert (o[b:b + 1][~seen] == 0).all(), f"sequence {b}: O is not 0 where a query sees no key"
-                if not seen.any():
+                assert_L(L[b:b + 1], o[b:b + 1], q_b, K_b, causal, scale, f"sequence {b}", **seq)
+                if L[b].isinf().all():  # (no query sees a key: O = 0, asserted)
                     continue
-                assert (L[b:b + 1][seen] - L_exact[seen]).abs().max() < 2e-2, f"sequence {b}: L is wrong"
                 exact = reference.attention(q_b.double(), K_b.double(), V_b.double(), causal, scale, **seq)
                 no_cap = {**seq, "softcap": 0.0}
                 exact_no_cap = exact if not seq.get("softcap") else reference.attention(
                     q_b.double(), K_b.double(), V_b.double(), causal, scale, **no_cap)
                 theirs = test_masks.sdpa(causal, scale, no_cap)(q_b, K_b, V_b)
-                within_sdpa_error("O", o[b:b + 1], theirs, exact, f"sequence {b}", r_sdpa=exact_no_cap, last_rows=False)
-        except (AssertionError, RuntimeError) as error:
-            failures.append(f"case {index}: {description}: {error}")
-            last = index
-    test = f"tests/test_fuzz.py::test_kvcache_on_random_problems[{kernel}-{dtype}]"
-    assert not failures, report(failures, CASES, last + 1, test)
+                within_sdpa_error("O", o[b:b + 1], theirs, exact, f"sequence {b}", r_sdpa=exact_no_cap,
+                                  last_rows=False)
+        return description, check_case
+    run_cases(f"kvcache-{kernel}-{dtype}", draw)
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-@pytest.mark.parametrize("kernel, dtype", [(name, dtype) for name, k in AVAILABLE.items() for dtype in k["dtypes"]])
+@gpu
+@every_kernel
 def test_varlen_on_random_problems(kernel, dtype):
     """flash_attention_varlen on random packed batches: 1 to 5 sequences of random lengths, some without queries
     or keys, N_q != N_k per sequence half the time, GQA, head dims on the tile widths 64 and 128 (the packed builds
     python main.py makes), masks and score modifications; forward, L and gradients (test_varlen.check)."""
-    rng = random.Random(f"{SEED}-varlen-{kernel}-{dtype}")
-    failures, last = [], 0
-    for index in range(CASES):
+    def draw(rng):
         B, H_kv, group = rng.randint(1, 5), rng.randint(1, 3), rng.choice([1, 1, 2, 4])
-        draw = lambda: [0 if rng.random() < 0.1 else draw_length(rng) for _ in range(B)]  # noqa: E731
-        lengths_q = draw()
-        lengths_k = lengths_q if rng.random() < 0.5 else draw()
+        draw_lengths = lambda: [0 if rng.random() < 0.1 else draw_length(rng) for _ in range(B)]  # noqa: E731
+        lengths_q = draw_lengths()
+        lengths_k = lengths_q if rng.random() < 0.5 else draw_lengths()
         lengths_q[0], lengths_k[-1] = max(lengths_q[0], 1), max(lengths_k[-1], 1)  # (no rows at all: test_varlen's)
         d = draw_head_dim(rng, kernel, tiles=(64, 128))
         causal, scale = rng.random() < 0.5, draw_scale(rng, d)
         scores = draw_scores(rng, max(lengths_q), max(lengths_k), H_kv * group, B, "cuda")
         description = (f"kernel={kernel} dtype={dtype} lengths q {lengths_q} k {lengths_k} H {H_kv * group}/{H_kv} "
                        f"d={d} causal={causal} softmax_scale={scale} {scores}")
-        try:
-            test_varlen.check(kernel, lengths_q, lengths_k, H_kv * group, H_kv, d, DTYPES[dtype], causal, scale,
-                              **scores)
-        except (AssertionError, RuntimeError) as error:
-            failures.append(f"case {index}: {description}: {error}")
-            last = index
-    test = f"tests/test_fuzz.py::test_varlen_on_random_problems[{kernel}-{dtype}]"
-    assert not failures, report(failures, CASES, last + 1, test)
+        return description, lambda: test_varlen.check(kernel, lengths_q, lengths_k, H_kv * group, H_kv, d,
+                                                      DTYPES[dtype], causal, scale, **scores)
+    run_cases(f"varlen-{kernel}-{dtype}", draw)
 
 
 @pytest.mark.parametrize("dtype", test_8bit.DTYPES, ids=["fp8", "int8"])
@@ -215,9 +214,7 @@ def test_8bit_on_random_problems(dtype):
     causal or not, windows, softmax_scale, the rotation, fp8's V^T from quantize or made in the kernel. Its error
     against float64 must stay within 1.5x that of the same quantization computed in float64, plus 1e-3
     (test_8bit.test_against_float64's rule)."""
-    rng = random.Random(f"{SEED}-8bit-{dtype}")
-    failures, last = [], 0
-    for index in range(CASES):
+    def draw(rng):
         B, H_kv, group, N_q = rng.randint(1, 3), rng.randint(1, 3), rng.choice([1, 1, 2, 4]), draw_length(rng)
         N_k = N_q if rng.random() < 0.5 else draw_length(rng)
         d = rng.choice(main.EIGHT_BIT_HEAD_DIMS) if rng.random() < 0.5 else rng.randint(8, 256)
@@ -231,7 +228,8 @@ def test_8bit_on_random_problems(dtype):
         description = (f"dtype={dtype} q {tuple(q.shape)} {half} k, v {tuple(k.shape)} causal={causal} "
                        f"softmax_scale={scale} window_size={window} rotate={rotate} transpose_v={transpose_v} "
                        f"inputs seed {inputs_seed}")
-        try:
+
+        def check_case():
             exact = reference.attention(q.double(), k.double(), v.double(), causal, scale, window_size=window)
             D = min(D for D in main.EIGHT_BIT_HEAD_DIMS if D >= d)
             pad = lambda x: torch.nn.functional.pad(x.double(), (0, D - d))  # noqa: E731
@@ -242,11 +240,8 @@ def test_8bit_on_random_problems(dtype):
             assert o.shape == q.shape and o.dtype == q.dtype, f"O: {tuple(o.shape)} {o.dtype}"
             err, bound = test_8bit.rmse(o, exact), 1.5 * test_8bit.rmse(emulated, exact) + 1e-3
             assert err < bound, f"rmse {err:.2e}, the quantization's own {bound:.2e}"
-        except (AssertionError, RuntimeError) as error:
-            failures.append(f"case {index}: {description}: {error}")
-            last = index
-    test = f"tests/test_fuzz.py::test_8bit_on_random_problems[{'int8' if dtype == torch.int8 else 'fp8'}]"
-    assert not failures, report(failures, CASES, last + 1, test)
+        return description, check_case
+    run_cases(f"8bit-{dtype}", draw)
 
 
 def test_reference_with_random_block_sizes():
@@ -254,9 +249,7 @@ def test_reference_with_random_block_sizes():
     ones: ragged last blocks, B_r != B_c, blocks of one row and blocks longer than N. Within 1e-10 per element,
     absolute and relative, as test_reference.py: a relative error of the whole tensor would fail where the exact
     gradient is zero (one key: dQ = dK = 0) and both sides hold float64 rounding of order 1e-14."""
-    rng = random.Random(f"{SEED}-reference")
-    failures, last = [], 0
-    for index in range(3 * CASES):
+    def draw(rng):
         B, H_kv, group, d = rng.randint(1, 2), rng.randint(1, 2), rng.choice([1, 2, 3]), rng.randint(1, 64)
         N_q, N_k = rng.randint(1, 150), rng.randint(1, 150)
         B_r, B_c, causal, scale = rng.randint(1, 70), rng.randint(1, 70), rng.random() < 0.5, draw_scale(rng, 64)
@@ -264,16 +257,16 @@ def test_reference_with_random_block_sizes():
         q, do = (torch.randn(B, H_kv * group, N_q, d, dtype=torch.float64, generator=g) for _ in range(2))
         k, v = (torch.randn(B, H_kv, N_k, d, dtype=torch.float64, generator=g) for _ in range(2))
         scores = draw_scores(rng, N_q, N_k, H_kv * group, B, "cpu")
-        qg, kg, vg = (t.clone().requires_grad_() for t in (q, k, v))
-        o_ref = reference.attention(qg, kg, vg, causal, scale, **scores)
-        expected = [o_ref, *torch.autograd.grad(o_ref, (qg, kg, vg), do)]
-        o, L = reference.flash_forward(q, k, v, causal, scale, B_r=B_r, B_c=B_c, **scores)
-        found = [o, *reference.flash_backward(q, k, v, o, L, do, causal, scale, B_r=B_r, B_c=B_c, **scores)]
-        pairs = dict(zip(["O", "dQ", "dK", "dV"], zip(found, expected)))
-        if not all(torch.allclose(x, r, rtol=1e-10, atol=1e-10) for x, r in pairs.values()):
-            failures.append(f"case {index}: q {tuple(q.shape)} k {tuple(k.shape)} B_r={B_r} B_c={B_c} causal={causal} "
-                            f"softmax_scale={scale} {scores}: largest errors "
-                            + ", ".join(f"{name} {(x - r).abs().max():.1e}" for name, (x, r) in pairs.items()))
-            last = index
-    test = "tests/test_fuzz.py::test_reference_with_random_block_sizes"
-    assert not failures, report(failures, 3 * CASES, (last + 3) // 3, test)
+
+        def check_case():
+            qg, kg, vg = (t.clone().requires_grad_() for t in (q, k, v))
+            o_ref = reference.attention(qg, kg, vg, causal, scale, **scores)
+            expected = [o_ref, *torch.autograd.grad(o_ref, (qg, kg, vg), do)]
+            o, L = reference.flash_forward(q, k, v, causal, scale, B_r=B_r, B_c=B_c, **scores)
+            found = [o, *reference.flash_backward(q, k, v, o, L, do, causal, scale, B_r=B_r, B_c=B_c, **scores)]
+            pairs = dict(zip(["O", "dQ", "dK", "dV"], zip(found, expected)))
+            assert all(torch.allclose(x, r, rtol=1e-10, atol=1e-10) for x, r in pairs.values()), \
+                "largest errors " + ", ".join(f"{name} {(x - r).abs().max():.1e}" for name, (x, r) in pairs.items())
+        return (f"q {tuple(q.shape)} k {tuple(k.shape)} B_r={B_r} B_c={B_c} causal={causal} softmax_scale={scale} "
+                f"{scores}"), check_case
+    run_cases("reference", draw, factor=3)
