@@ -1249,11 +1249,18 @@ __device__ void mma_m16n8k32_s8(float (&d)[4], const uint32_t (&a)[4], uint32_t 
 }
 // The s32 sums as floats without a conversion instruction: a sum starts from the bits of SUM_START = 1.5 * 2^23
 // (0x4B400000), and adding an integer n, |n| < 2^22 (|n| <= 128 * 127^2 at d = 128), to those bits gives the bits of
-// the float SUM_START + n, from which one FADD recovers n exactly (or none: flash_fwd_ampere folds SUM_START into
-// the softmax). With the loads of l.7 in one lambda (load_KV), this FADD in place of an I2FP left the int8 kernel 20
-// bytes of spills at d = 128 where it had 48, and it ran 1.06-1.08x faster there (H200; neither change alone gave
-// more than 1.04x: notebook 11, section 7).
+// the float SUM_START + n, from which one FADD recovers n exactly (or none, where flash_fwd_ampere folds SUM_START
+// into the softmax). With the loads of l.7 in one lambda (load_KV), this FADD in place of an I2FP left the int8
+// kernel 20 bytes of spills at d = 128 where it had 48, and it ran 1.06-1.08x faster there (H200; neither change
+// alone gave more than 1.04x: notebook 11, section 7).
 [[maybe_unused]] constexpr float SUM_START = 12582912.f;  // (unused by the 16-bit builds)
+// x added to every entry of a warp's S_ij fragments (M tiles of 16 rows, NT of 8 keys): SUM_START on and off
+template <int M, int NT>
+__device__ void add_to_all(float (&S)[M][NT][4], float x) {
+  for (int m = 0; m < M; m++)
+    for (int nt = 0; nt < NT; nt++)
+      for (int e = 0; e < 4; e++) S[m][nt][e] += x;
+}
 // S_ij's product over one 32-byte k slice: 16 values of T, or 32 of int8 (TQK = signed char)
 template <typename TQK>
 __device__ void mma_qk(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
@@ -1392,10 +1399,7 @@ flash_fwd_ampere(Rows<const TQK> Q, Rows<const TQK> K, Rows<const T> V, Rows<T> 
     __syncthreads();     // ... for every thread's copies
 
     float S[M][B_c / 8][4] = {};                                            // l.8: S_ij = Q_i K_j^T
-    if constexpr (int8)  // (s32 sums: see SUM_START)
-      for (int m = 0; m < M; m++)
-        for (int nt = 0; nt < B_c / 8; nt++)
-          for (int e = 0; e < 4; e++) S[m][nt][e] = SUM_START;
+    if constexpr (int8) add_to_all(S, SUM_START);  // (s32 sums: see SUM_START)
 #pragma unroll  // (every loop over fragments must unroll, or the arrays they index go to local memory)
     for (int kk = 0; kk < d / k_slice; kk++) {
       uint32_t Q_frag[M][4];  // A fragments of tiles m < M (addresses as in the Turing kernel)
@@ -1419,14 +1423,15 @@ flash_fwd_ampere(Rows<const TQK> Q, Rows<const TQK> K, Rows<const T> V, Rows<T> 
     }
     const bool fused = sc.plain() && sc_j.scale_log2 > 0.f;
     const float f = fused ? sc_j.scale_log2 : 1.f;
-    // int8: S holds SUM_START + n (see there). Fused, the offset stays: the maximum subtracts it once per row,
-    // and the exponent's FFMA as part of its bias, m_i + f SUM_START, whose rounding moves an exponent by at most
-    // f (base 2), one step of the int8 scores (their own rounding moves them by hundreds). Else it goes first.
-    const float offset = int8 && fused ? SUM_START : 0.f;
-    if (int8 && !fused)
-      for (int m = 0; m < M; m++)
-        for (int nt = 0; nt < B_c / 8; nt++)
-          for (int e = 0; e < 4; e++) S[m][nt][e] -= SUM_START;
+    // int8: S holds SUM_START + n (see there). Fused and at f <= 2^-10, the offset stays: the maximum subtracts it
+    // once per row, and the exponent's FFMA as part of its bias, m_i + f SUM_START. That bias, about f 2^23, is a
+    // float within f of its value, so every exponent of the row moves alike by less than 2f (base 2), which O_i / l_i
+    // cancels but for the rounding of P_ij to 16 bits: a row's largest entry stays within 0.14% of 1, and bf16 rounds
+    // it to 1. (N(0, 1) inputs give f ~ 1e-4.) At larger f the move grows with f: P_ij = 2^f overflows fp16 at |Q|,
+    // |K| ~ 1e3, and a block of zeros (K smoothed, N_k = 1) has scale 1 (flash_quantize). There an FADD takes it off.
+    const bool fold = int8 && fused && f <= 0x1p-10f;
+    const float offset = fold ? SUM_START : 0.f;
+    if (int8 && !fold) add_to_all(S, -SUM_START);
     const bool masked = mask.any(row0, B_r, j * B_c, B_c);  // any masked entry in the block?
     // Lazy rescaling (update_row_max): on an H200 (bf16, N = 4096 and 16384, causal and not) 1.02-1.04x at d = 32,
     // 1.04-1.05x at 64, 1.01-1.03x at 96 and 128, 0.99-1.00x at 256; int8 1.02-1.03x at d = 128, 0.92-0.94x at 64

@@ -198,6 +198,43 @@ def test_largest_scores(dtype, d):
 
 @cuda
 @pytest.mark.parametrize("dtype", DTYPES)
+def test_one_key_and_large_inputs(dtype):
+    """Scores far from N(0, 1)'s scale. With one key, int8's smoothing leaves K a block of zeros (scale 1). With
+    |Q|, |K| ~ 1000 one step of the int8 scores is 15-19 (base 2) and the softmax nearly one-hot; the emulation's
+    own error is then 0.2-0.4, so int8, whose scores are the emulation's integers, is also held to the emulation row
+    by row. Not every row: the kernel rounds x / s in float32, the emulation in float64, and where an x / s lies
+    within 1e-5 of a half-integer the two integers differ by one, which moves a score by up to 127 steps and can
+    change the row's largest entry. The int8 kernel folds its s32 offset into the exponent's bias only where that
+    step is small (flash.cu, SUM_START): folded at any step, one key gave V to within 2.7e-3, not exactly, and the
+    large inputs overflowed P_ij in fp16 (NaN)."""
+    torch.manual_seed(5)
+    for dt in (torch.float16, torch.bfloat16):
+        for d in (32, 64, 160):
+            q = torch.randn(2, 4, 37, d, device="cuda", dtype=dt)
+            k, v = (torch.randn(2, 2, 1, d, device="cuda", dtype=dt) for _ in range(2))
+            o = main.flash_attention_8bit(q, k, v, dtype=dtype)
+            V = v.repeat_interleave(2, 1).expand_as(o)  # one key: O is its value
+            if dtype == torch.int8:
+                assert torch.equal(o, V), f"{dt}, d = {d}: {(o - V).abs().max().item():.2e} from V"
+            else:  # (V is rounded to e4m3)
+                emulated = reference.attention_8bit(q, k, v, dtype, softmax_scale=d ** -0.5)
+                assert rmse(o, V.double()) < 1.5 * rmse(emulated, V.double()) + 1e-3
+        for d in (64, 128):
+            q, k = (300 * torch.randn(1, 2, 300, d, device="cuda", dtype=dt) for _ in range(2))
+            v = torch.randn(1, 2, 300, d, device="cuda", dtype=dt)
+            exact = reference.attention(q.double(), k.double(), v.double())
+            emulated = reference.attention_8bit(q, k, v, dtype, smooth_k=dtype == torch.int8)
+            o = main.flash_attention_8bit(q, k, v, dtype=dtype)
+            assert o.isfinite().all(), f"{dt}, d = {d}"
+            assert rmse(o, exact) < 1.5 * rmse(emulated, exact) + 1e-3, f"{dt}, d = {d}"
+            if dtype == torch.int8:  # the same integer scores in all but a few rows: the same softmax there
+                row_rmse = (o.double() - emulated).pow(2).mean(-1).sqrt()
+                agree = (row_rmse < 1e-2).double().mean().item()
+                assert agree > 0.99, f"{dt}, d = {d}: {agree:.1%} of the rows as the emulation's"
+
+
+@cuda
+@pytest.mark.parametrize("dtype", DTYPES)
 def test_window_and_quantized_reuse(dtype):
     torch.manual_seed(0)
     q, k, v = (torch.randn(1, 2, 700, 128, device="cuda", dtype=torch.float16) for _ in range(3))
