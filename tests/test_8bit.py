@@ -202,7 +202,7 @@ def test_one_key_and_large_inputs(dtype):
     """Scores far from N(0, 1)'s scale. With one key, int8's smoothing leaves K a block of zeros (scale 1). With
     |Q|, |K| ~ 1000 one step of the int8 scores is 15-19 (base 2) and the softmax nearly one-hot; the emulation's
     own error is then 0.2-0.4, so int8, whose scores are the emulation's integers, is also held to the emulation row
-    by row. Not every row: the kernel rounds x / s in float32, the emulation in float64, and where an x / s lies
+    by row. Not every row: the kernel rounds x (1 / s) in float32, the emulation x / s in float64, and where one lies
     within 1e-5 of a half-integer the two integers differ by one, which moves a score by up to 127 steps and can
     change the row's largest entry. The int8 kernel folds its s32 offset into the exponent's bias only where that
     step is small (flash.cu, SUM_START): folded at any step, one key gave V to within 2.7e-3, not exactly, and the
@@ -217,7 +217,7 @@ def test_one_key_and_large_inputs(dtype):
             if dtype == torch.int8:
                 assert torch.equal(o, V), f"{dt}, d = {d}: {(o - V).abs().max().item():.2e} from V"
             else:  # (V is rounded to e4m3)
-                emulated = reference.attention_8bit(q, k, v, dtype, softmax_scale=d ** -0.5)
+                emulated = reference.attention_8bit(q, k, v, dtype)
                 assert rmse(o, V.double()) < 1.5 * rmse(emulated, V.double()) + 1e-3
         for d in (64, 128):
             q, k = (300 * torch.randn(1, 2, 300, d, device="cuda", dtype=dt) for _ in range(2))
