@@ -5,9 +5,9 @@ and the KV cache with them; the blocks a window removes.
 Tolerance as test_kernels.py: O, dQ, dK, dV against float64 (reference.attention with the same arguments) may
 err 3x as much as PyTorch's SDPA in the same dtype, plus a small floor. SDPA takes the window and ALiBi as an
 explicit additive attn_mask (N_q x N_k, which the kernels never build); it has no softcap, so with a softcap
-its error on the same problem without the softcap is the yardstick, or for the gradients, where larger, the error
-of the float64 algorithm with only O rounded to the dtype (test_kernels.rounded_O_gradients). Skipped, visibly,
-without a CUDA GPU.
+its error on the same problem without the softcap is the yardstick; or, where larger, the error of the float64
+algorithm with only O rounded to the dtype (test_kernels.rounded_O_gradients). Skipped, visibly, without a CUDA
+GPU.
 """
 import math
 
@@ -51,10 +51,12 @@ def check(kernel, q, k, v, do, causal, scale=None, **scores):
         lambda q, k, v: reference.attention(q, k, v, causal, scale, **no_cap), q.double(), k.double(), v.double(),
         do.double())
     theirs = outputs(sdpa(causal, scale, no_cap), q, k, v, do)
-    rounded = ref if not scores.get("softcap") else rounded_O_gradients(q, k, v, do, q.dtype, causal, scale, **scores)
+    *rounded, L_max = rounded_O_gradients(q, k, v, do, q.dtype, causal, scale, **scores)
     where = f"kernel={kernel}, q {tuple(q.shape)}, k {tuple(k.shape)}, causal={causal}, {scores}"
+    summed = q.shape[2] * q.shape[1] // k.shape[1]  # query rows in each entry of dK, dV
     for name, x, s, r, rs, rr in zip(["O", "dQ", "dK", "dV"], ours, theirs, ref, ref_sdpa, rounded):
-        within_sdpa_error(name, x, s, r, where, r_sdpa=rs, r_rounded=rr)
+        within_sdpa_error(name, x, s, r, where, r_sdpa=rs, r_rounded=rr, L_max=L_max,
+                          summed=summed if name in ("dK", "dV") else 1)
     check_L(kernel, q, k, v, ours[0], causal, scale, **scores)
 
 
