@@ -78,10 +78,10 @@ def within_sdpa_error(name, x, s, r, where, r_sdpa=None, last_rows=True, r_round
     tile of queries or keys). A wrong last tile can hide in the whole tensor's error: under a causal mask its rows
     see the most keys, so they have the smallest O (about 1/sqrt(keys seen)) and the smallest share of its norm.
     last_rows=False checks the whole tensor only. r_rounded: the float64 algorithm with O rounded to x's dtype before
-    the backward takes D_i from it (rounded_O_gradients): at most 3x the larger of the two errors. (SDPA may round
-    less: its math backend, which it runs under some masks, differentiates the stored softmax; and where it ran
-    another problem, r_sdpa's, without the softcap, a softmax so peaked that O is a row of V, which fp16 holds
-    exactly.) L_max: the largest |L_i|. A backward recomputes P_ij = exp(S_ij - L_i) from the L_i that the forward
+    the backward takes D_i from it (rounded_O_gradients): at most 3x the larger of the two errors. (Where the
+    softmax is peaked, one problem's O can round worse in a kernel than in SDPA by chance, and that rounding sets the
+    error of dQ and dK; where SDPA ran another problem, r_sdpa's, without the softcap, a softmax so peaked that O is
+    a row of V, which fp16 holds exactly.) L_max: the largest |L_i|. A backward recomputes P_ij = exp(S_ij - L_i) from the L_i that the forward
     saved in fp32 (natural log, as FlashAttention's), and the kernels convert it to base 2 and back: P_ij moves by
     up to 1.39 |L_i| 2^-24 relative (the two roundings over 10^5 random rows), which the gradients may add to FLOOR
     (fp32, one query and one key: dV = dO exactly in float64, the fp32 kernel's 1.8e-6 off). summed: how many query
@@ -115,8 +115,9 @@ def rounded_O_gradients(q, k, v, do, dtype, causal, scale=None, **scores):
     """O, dQ, dK, dV of Algorithms 1 and 2 in float64 (reference.py) where only O is rounded to dtype before the
     backward takes D_i = rowsum(dO_i o O_i) from it, as every FlashAttention backward does: the error that step alone
     makes; and the largest |L_i| (within_sdpa_error's L_max). Where the softmax is peaked that step sets the error
-    of dQ and dK (fp32 emulation of 60 bf16 problems of 2 queries against 223 keys, d = 117, causal, softmax_scale
-    0.637: dK's last 64 rows err 2.9e-3 at the median, 1.8e-2 at the 90th percentile). With a softcap it is the
+    of dQ and dK: on 60 random bf16 problems of 2 queries against 223 keys, d = 117, causal, softmax_scale 0.637,
+    it alone makes dK's last 64 rows err 2.9e-3 at the median, 1.8e-2 at the 90th percentile (on an H200 the
+    ampere kernel's erred 1.1e-2 on one such problem, SDPA's 3.2e-3). With a softcap it is the
     yardstick SDPA cannot give (SDPA has no softcap, and its error on the problem without one says little about the
     softcapped problem's): on an H200, fp16, 481 queries against 5 keys, causal, softmax_scale 0.591, window
     (81, 361), softcap 2.29, dK errs 2.3e-3 in the ampere and turing kernels alike, SDPA 6.7e-4 without the
