@@ -59,16 +59,15 @@ def check(kernel, q, k, v, do, causal, scale=None, last_rows=True):
     """Compare kernel and SDPA (same dtype) with float64; the kernel may err 3x as much as SDPA, or as the float64
     algorithm with O rounded (rounded_O_gradients). q (B, H_q, N_q, d), k, v (B, H_kv, N_k, d). last_rows: see
     within_sdpa_error."""
-    summed = q.shape[2] * q.shape[1] // k.shape[1]  # query rows in each entry of dK, dV
     ref = outputs(lambda q, k, v: reference.attention(q, k, v, causal, scale), q.double(), k.double(), v.double(), do.double())
     ours = outputs(lambda q, k, v: flash_attention(q, k, v, causal=causal, softmax_scale=scale, kernel=kernel), q, k, v, do)
     theirs = [x.nan_to_num(0.0) for x in outputs(sdpa(causal, scale), q, k, v, do)]
-    *rounded, L_max = rounded_O_gradients(q, k, v, do, q.dtype, causal, scale)
+    rounded, L_max = rounded_O_gradients(q, k, v, do, q.dtype, causal, scale)
     where = f"kernel={kernel}, q {tuple(q.shape)}, k {tuple(k.shape)}, causal={causal}"
     for name, x, s, r, rr in zip(["O", "dQ", "dK", "dV"], ours, theirs, ref, rounded):
         assert x.shape == r.shape and x.dtype == q.dtype, f"{name}: shape {x.shape} dtype {x.dtype} ({where})"
         within_sdpa_error(name, x, s, r, where, last_rows=last_rows, r_rounded=rr, L_max=L_max,
-                          summed=summed if name in ("dK", "dV") else 1)
+                          summed=q.shape[2] * q.shape[1] // k.shape[1])
     return ours
 
 
@@ -81,18 +80,18 @@ def within_sdpa_error(name, x, s, r, where, r_sdpa=None, last_rows=True, r_round
     the backward takes D_i from it (rounded_O_gradients): at most 3x the larger of the two errors. (Where the
     softmax is peaked, one problem's O can round worse in a kernel than in SDPA by chance, and that rounding sets the
     error of dQ and dK; where SDPA ran another problem, r_sdpa's, without the softcap, a softmax so peaked that O is
-    a row of V, which fp16 holds exactly.) L_max: the largest |L_i|. A backward recomputes P_ij = exp(S_ij - L_i) from the L_i that the forward
-    saved in fp32 (natural log, as FlashAttention's), and the kernels convert it to base 2 and back: P_ij moves by
-    up to 1.39 |L_i| 2^-24 relative (the two roundings over 10^5 random rows), which the gradients may add to FLOOR
-    (fp32, one query and one key: dV = dO exactly in float64, the fp32 kernel's 1.8e-6 off). summed: how many query
-    rows each entry of x adds up (N_q * H_q / H_kv for dK and dV), for the bound where float64 gives 0."""
+    a row of V, which fp16 holds exactly.) L_max: the largest |L_i|. A backward recomputes P_ij = exp(S_ij - L_i)
+    from the L_i that the forward saved in fp32 (natural log, as FlashAttention's), and the kernels convert it to
+    base 2 and back: P_ij moves by up to 1.39 |L_i| 2^-24 relative (the two roundings over 10^5 random rows), which
+    the gradients may add to FLOOR (fp32, one query and one key: dV = dO exactly in float64, the fp32 kernel's
+    1.8e-6 off). summed: the query rows each entry of dK and dV adds up (N_q * H_q / H_kv), for zero_bound."""
     assert torch.isfinite(x).all(), f"{name} has non-finite values ({where})"
     r_sdpa = r if r_sdpa is None else r_sdpa
     r_rounded = r if r_rounded is None else r_rounded
     for part, rows in (("", slice(None)), (", last 64 rows", slice(-64, None)))[:2 if last_rows else 1]:
         xp, sp, rp, rsp, rrp = (t[..., rows, :] for t in (x, s, r, r_sdpa, r_rounded))
         if not rp.any():
-            bound = zero_bound(x, summed)
+            bound = zero_bound(name, x, summed)
             assert xp.abs().max() <= bound, \
                 f"{name}{part}: largest entry {xp.abs().max():.2e} > {bound:.1e} where float64 gives 0 ({where})"
             continue
@@ -102,22 +101,22 @@ def within_sdpa_error(name, x, s, r, where, r_sdpa=None, last_rows=True, r_round
             f"{name}{part}: relative error {err:.2e} vs SDPA's {err_sdpa:.2e} (with O rounded: {err_rounded:.2e}) ({where})"
 
 
-def zero_bound(x, summed=1):
-    """The largest entry allowed in a kernel's x where float64 gives exactly 0 (one key: dQ = dK = 0). What a kernel
-    returns there is the fp32 rounding of dP_ij - D_i, two dot products of length d that are equal in exact
-    arithmetic: FLOOR per term. An entry of dK_j adds up dS_ij Q_i over `summed` query rows, whose roundings add as a
-    random walk: sqrt(summed) times as much (on an H200, fp32, 575 queries in 2 heads against one key, d = 96: dK up
-    to 1.2e-4)."""
-    return FLOOR[x.dtype] * x.shape[-1] * math.sqrt(summed)
+def zero_bound(name, x, summed=1):
+    """The largest entry allowed in a kernel's gradient `name`, x, where float64 gives exactly 0 (one key: dQ = dK =
+    0). What a kernel returns there is the fp32 rounding of dP_ij - D_i, two dot products of length d that are equal
+    in exact arithmetic: FLOOR per term. An entry of dK_j (or dV_j) adds up dS_ij Q_i over `summed` query rows, whose
+    roundings add as a random walk: sqrt(summed) times as much (on an H200, fp32, 575 queries in 2 heads against one
+    key, d = 96: dK up to 1.2e-4)."""
+    return FLOOR[x.dtype] * x.shape[-1] * math.sqrt(summed if name in ("dK", "dV") else 1)
 
 
 def rounded_O_gradients(q, k, v, do, dtype, causal, scale=None, **scores):
     """O, dQ, dK, dV of Algorithms 1 and 2 in float64 (reference.py) where only O is rounded to dtype before the
     backward takes D_i = rowsum(dO_i o O_i) from it, as every FlashAttention backward does: the error that step alone
-    makes; and the largest |L_i| (within_sdpa_error's L_max). Where the softmax is peaked that step sets the error
-    of dQ and dK: on 60 random bf16 problems of 2 queries against 223 keys, d = 117, causal, softmax_scale 0.637,
-    it alone makes dK's last 64 rows err 2.9e-3 at the median, 1.8e-2 at the 90th percentile (on an H200 the
-    ampere kernel's erred 1.1e-2 on one such problem, SDPA's 3.2e-3). With a softcap it is the
+    makes, as a list; and the largest |L_i| (within_sdpa_error's L_max). Where the softmax is peaked that step sets
+    the error of dQ and dK: on 60 random bf16 problems of 2 queries against 223 keys, d = 117, causal,
+    softmax_scale 0.637, it alone makes dK's last 64 rows err 2.9e-3 at the median, 1.8e-2 at the 90th percentile
+    (on an H200 the ampere kernel's erred 1.1e-2 on one such problem, SDPA's 3.2e-3). With a softcap it is the
     yardstick SDPA cannot give (SDPA has no softcap, and its error on the problem without one says little about the
     softcapped problem's): on an H200, fp16, 481 queries against 5 keys, causal, softmax_scale 0.591, window
     (81, 361), softcap 2.29, dK errs 2.3e-3 in the ampere and turing kernels alike, SDPA 6.7e-4 without the
@@ -127,7 +126,7 @@ def rounded_O_gradients(q, k, v, do, dtype, causal, scale=None, **scores):
     o, L = reference.flash_forward(q, k, v, causal, scale, **tile, **scores)
     o = o.to(dtype).double()  # (O's own yardstick, too: no kernel can return O closer than its rounding)
     L_max = float(L.nan_to_num(0.0, 0.0, 0.0).abs().max()) if L.numel() else 0.0  # (-inf: rows that see no key)
-    return [o, *reference.flash_backward(q, k, v, o, L, do, causal, scale, **tile, **scores), L_max]
+    return [o, *reference.flash_backward(q, k, v, o, L, do, causal, scale, **tile, **scores)], L_max
 
 
 @pytest.mark.parametrize("causal", [False, True])

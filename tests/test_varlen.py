@@ -49,11 +49,11 @@ def rounded_O_per_sequence(q, k, v, do, cu_q, cu_k, causal, scale, slopes_of, **
         if e == s or ek == sk:
             continue
         views = [X[a:z].transpose(0, 1)[None] for X, a, z in ((q, s, e), (k, sk, ek), (v, sk, ek), (do, s, e))]
-        *parts, L_b = rounded_O_gradients(*views, q.dtype, causal, scale, **{**scores, "alibi_slopes": slopes_of(b)})
+        parts, L_b = rounded_O_gradients(*views, q.dtype, causal, scale, **{**scores, "alibi_slopes": slopes_of(b)})
         for X, part, (a, z) in zip(found, parts, ((s, e), (s, e), (sk, ek), (sk, ek))):
             X[a:z] = part[0].transpose(0, 1)
         L_max = max(L_max, L_b)
-    return [*found, L_max]
+    return found, L_max
 
 
 def check(kernel, lengths_q, lengths_k, H_q, H_kv, d, dtype, causal, scale=None, **scores):
@@ -74,13 +74,13 @@ def check(kernel, lengths_q, lengths_k, H_q, H_kv, d, dtype, causal, scale=None,
         q.double(), k.double(), v.double(), do.double())
     theirs = outputs(per_sequence(lambda q, k, v, b: sdpa(causal, scale, {**no_cap, "alibi_slopes": slopes_of(b)})(
         q, k, v), cu_q, cu_k), q, k, v, do)
-    *rounded, L_max = rounded_O_per_sequence(q, k, v, do, cu_q, cu_k, causal, scale, slopes_of, **scores)
+    rounded, L_max = rounded_O_per_sequence(q, k, v, do, cu_q, cu_k, causal, scale, slopes_of, **scores)
     where = f"kernel={kernel}, {dtype}, lengths q {lengths_q}, k {lengths_k}, H {H_q}/{H_kv}, causal={causal}, {scores}"
     for name, x, s, r, rs, rr in zip(["O", "dQ", "dK", "dV"], ours, theirs, ref, ref_sdpa, rounded):
         assert x.shape == r.shape, f"{name}: shape {tuple(x.shape)}, expected {tuple(r.shape)} ({where})"
         # (last_rows=False: packed tensors are (total, H, d), whose dim -2 holds the heads)
         within_sdpa_error(name, x, s, r, where, r_sdpa=rs, last_rows=False, r_rounded=rr, L_max=L_max,
-                          summed=max_q * H_q // H_kv if name in ("dK", "dV") else 1)
+                          summed=max_q * H_q // H_kv)
     # L (H_q, total_q): each sequence's own log-sum-exp, -inf where a query sees no key
     _, L = flash_attention_varlen(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale, kernel=kernel, return_lse=True,
                                   **scores)
