@@ -139,7 +139,6 @@ def measure_8bit():
             lines.append(f"| {d} | {'N(0, 1) + outliers' if outliers else 'N(0, 1)'} | "
                          + " | ".join(f"{c:.1e}" for c in cells) + " |")
             print(lines[-1], flush=True)
-            del exact
     return "\n".join(lines)
 
 
