@@ -425,21 +425,54 @@ flash_bwd_preprocess(Rows<const T> O, Rows<const T> dO, float* __restrict__ D, f
 // Both operands are read as float4 along k.
 // Bank conflicts: a half-warp shares ty, so A reads are broadcasts; B rows tx + 16*b are ld floats apart
 // and ld/4 is odd, so the 8 threads served together hit 8 different 16-byte bank groups.
+// Rounding: an entry of S_ij grows to tens (|S| ~ sqrt(d) for N(0, 1) inputs), and each addition into it rounds
+// away up to half a unit in its last place, which exp(S_ij - m_i) turns into a relative error of P_ij. The
+// products go into `part`, CHUNK at a time (a chain of FMAs on a small sum), and `part` into acc. Past d = 128,
+// where a block's tiles have half the rows (TM = 4), CHUNK is 16 and each addition into acc keeps what it rounded
+// away (Fast2Sum: for sum = acc + part rounded, part - (sum - acc) is exactly that when |acc| >= |part|) in
+// `lost`, added at the end: S_ij then errs about twice as much as if rounded once, where chunks of 4 err five
+// times as much. Up to d = 128 the two more registers per entry cost the forward its third block an SM (or 212
+// bytes of spills at d = 64) and 12-18% of its speed: there CHUNK is 4, uncompensated (notebook 04, "Rounding in
+// S_ij", measures both).
 template <int TM, int TN, int d>
 __device__ void thread_tile_XYt(float (&acc)[TM][TN], const float* A, const float* B, int ld, int tx, int ty) {
-#pragma unroll 4
-  for (int k = 0; k < d; k += 4) {
-    float4 a[TM], b[TN];
+  constexpr bool compensated = d > 128;
+  constexpr int CHUNK = compensated ? 16 : 4;  // (d: a multiple of 16)
+  float lost[TM][TN] = {};
+#pragma unroll(compensated ? 1 : 4)
+  for (int k0 = 0; k0 < d; k0 += CHUNK) {
+    float part[TM][TN] = {};
 #pragma unroll
-    for (int m = 0; m < TM; m++) a[m] = *reinterpret_cast<const float4*>(&A[(ty * TM + m) * ld + k]);
+    for (int k = k0; k < k0 + CHUNK; k += 4) {
+      float4 a[TM], b[TN];
 #pragma unroll
-    for (int n = 0; n < TN; n++) b[n] = *reinterpret_cast<const float4*>(&B[(tx + 16 * n) * ld + k]);
+      for (int m = 0; m < TM; m++) a[m] = *reinterpret_cast<const float4*>(&A[(ty * TM + m) * ld + k]);
+#pragma unroll
+      for (int n = 0; n < TN; n++) b[n] = *reinterpret_cast<const float4*>(&B[(tx + 16 * n) * ld + k]);
+#pragma unroll
+      for (int m = 0; m < TM; m++)
+#pragma unroll
+        for (int n = 0; n < TN; n++) {
+          part[m][n] += a[m].x * b[n].x;  // (each line one FMA)
+          part[m][n] += a[m].y * b[n].y;
+          part[m][n] += a[m].z * b[n].z;
+          part[m][n] += a[m].w * b[n].w;
+        }
+    }
 #pragma unroll
     for (int m = 0; m < TM; m++)
 #pragma unroll
-      for (int n = 0; n < TN; n++)
-        acc[m][n] += a[m].x * b[n].x + a[m].y * b[n].y + a[m].z * b[n].z + a[m].w * b[n].w;
+      for (int n = 0; n < TN; n++) {
+        const float sum = acc[m][n] + part[m][n];
+        if (compensated) lost[m][n] += part[m][n] - (sum - acc[m][n]);
+        acc[m][n] = sum;
+      }
   }
+#pragma unroll
+  for (int m = 0; m < TM; m++)
+#pragma unroll
+    for (int n = 0; n < TN; n++)  // (lost: 0 up to d = 128; NaN where an infinite product made acc infinite,
+      if (isfinite(acc[m][n])) acc[m][n] += lost[m][n];  // inf - inf: such an entry stays as it is)
 }
 
 // The d/16 columns of a (rows, d) matrix that thread tx owns in O_i, dK_j, dV_j and dQ_i. When d is a
@@ -468,12 +501,13 @@ __device__ void load_cols(float (&x)[d / 16], const float* row, int tx) {
 // Grid (T_r, H_q, B): one block per query block Q_i of one head; heavy causal blocks (large i) start first.
 // Block: 128 threads as 8 (ty) x 16 (tx). Thread (ty, tx) owns rows ty*TM .. ty*TM+TM-1 of S_ij and O_i,
 // columns tx + 16*n of S_ij (n < TN) and columns col(tx, e) of O_i (e < TX). The 16 threads that share a
-// row sit in one half-warp, so row max and row sum are shuffles, never shared memory. Bounds: up to d = 128,
+// row sit in one half-warp, so row max and row sum are shuffles, never shared memory. Bounds: up to d = 160,
 // registers for 3 blocks an SM (shared memory leaves room for them, at d = 64 for 4; held to 4, ptxas spilled 124
-// bytes, and the kernel ran no faster); past it 1 (with no minimum of blocks an SM, ptxas held the d = 256 tiles
-// to 168 registers and spilled 24 bytes).
+// bytes, and the kernel ran no faster; at d = 160 thread_tile_XYt's compensated sums fit in 168 without spills,
+// where left free ptxas took 174, room for 2); past it 1 (with no minimum of blocks an SM, ptxas held the d = 256
+// tiles to 168 registers and spilled 24 bytes).
 template <int d, int B_r, int B_c>
-__global__ void __launch_bounds__(128, d <= 128 ? 3 : 1)
+__global__ void __launch_bounds__(128, d <= 160 ? 3 : 1)
 flash_fwd_fp32(Rows<const float> Q, Rows<const float> K, Rows<const float> V, Rows<float> O, float* __restrict__ L,
                Scores sc, int group) {
   constexpr int TM = B_r / 8, TN = B_c / 16, TX = d / 16, ld = d + 4, ldP = B_r + 4;
