@@ -468,11 +468,12 @@ __device__ void thread_tile_XYt(float (&acc)[TM][TN], const float* A, const floa
         acc[m][n] = sum;
       }
   }
+  if constexpr (compensated)
 #pragma unroll
-  for (int m = 0; m < TM; m++)
+    for (int m = 0; m < TM; m++)
 #pragma unroll
-    for (int n = 0; n < TN; n++)  // (lost: 0 up to d = 128; NaN where an infinite product made acc infinite,
-      if (isfinite(acc[m][n])) acc[m][n] += lost[m][n];  // inf - inf: such an entry stays as it is)
+      for (int n = 0; n < TN; n++)  // (lost is NaN where an infinite product made acc infinite, inf - inf: such an
+        if (isfinite(acc[m][n])) acc[m][n] += lost[m][n];  // entry stays as it is)
 }
 
 // The d/16 columns of a (rows, d) matrix that thread tx owns in O_i, dK_j, dV_j and dQ_i. When d is a
